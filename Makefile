@@ -1,0 +1,26 @@
+# The two commands of the README: `make demo` (install, then run the demo) and `make test`.
+VENV ?= .venv
+PYTEST_ARGS ?=
+
+.PHONY: install demo test lint bench clean
+
+install:
+	@./scripts/setup.sh
+
+demo: install
+	$(VENV)/bin/kvmesh demo
+
+test: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench: install
+	$(VENV)/bin/python -m benchmarks.hashing
+	$(VENV)/bin/python -m benchmarks.allocator
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,1 @@
+"""What every kvmesh process shares."""

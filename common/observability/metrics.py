@@ -1,0 +1,118 @@
+"""Prometheus metrics through prometheus-client, one registry per component.
+
+Each component (an engine, a service) owns a `Metrics` with its own
+CollectorRegistry rather than the library's global one: a test process or a
+vLLM worker may hold several engines, and two of them registering the same
+metric name in one global registry would fail.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from wsgiref.simple_server import WSGIServer
+
+import prometheus_client as prom
+from prometheus_client.core import CollectorRegistry
+
+PREFIX = "kvmesh_"
+
+# Latency buckets from 10 µs to 10 s: cache operations span that whole range.
+LATENCY_BUCKETS: tuple[float, ...] = (
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
+
+class Metrics:
+    """Factory and cache of the metrics of one component, under the `kvmesh_` prefix."""
+
+    def __init__(self, const_labels: dict[str, str] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._labels = dict(const_labels or {})
+        self._made: dict[str, prom.metrics.MetricWrapperBase] = {}
+        self._lock = threading.Lock()
+
+    def _get(self, kind: type, name: str, doc: str, labels: Sequence[str], **kw: object):
+        full = name if name.startswith(PREFIX) else PREFIX + name
+        with self._lock:
+            metric = self._made.get(full)
+            if metric is None:
+                metric = kind(
+                    full,
+                    doc,
+                    labelnames=tuple(labels) + tuple(self._labels),
+                    registry=self.registry,
+                    **kw,
+                )
+                self._made[full] = metric
+            elif not isinstance(metric, kind):
+                raise ValueError(f"metric {full} already exists as {type(metric).__name__}")
+        if self._labels:
+            return _BoundLabels(metric, self._labels)
+        return metric
+
+    def counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> prom.Counter:
+        return self._get(prom.Counter, name, doc, labels)
+
+    def gauge(self, name: str, doc: str, labels: Sequence[str] = ()) -> prom.Gauge:
+        return self._get(prom.Gauge, name, doc, labels)
+
+    def histogram(
+        self,
+        name: str,
+        doc: str,
+        labels: Sequence[str] = (),
+        buckets: Iterable[float] = LATENCY_BUCKETS,
+    ) -> prom.Histogram:
+        return self._get(prom.Histogram, name, doc, labels, buckets=tuple(buckets))
+
+    def render(self) -> bytes:
+        """The registry in the Prometheus text format."""
+        return prom.generate_latest(self.registry)
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float | None:
+        """The current value of one sample, for tests and status views."""
+        full = name if name.startswith(PREFIX) else PREFIX + name
+        return self.registry.get_sample_value(full, {**(labels or {}), **self._labels})
+
+
+class _BoundLabels:
+    """Adds the component's constant labels to every `.labels(...)` call."""
+
+    def __init__(self, metric: prom.metrics.MetricWrapperBase, const: dict[str, str]) -> None:
+        self._metric = metric
+        self._const = const
+
+    def labels(self, *args: str, **kwargs: str):
+        if args:
+            names = [n for n in self._metric._labelnames if n not in self._const]
+            kwargs.update(zip(names, args, strict=True))
+        return self._metric.labels(**kwargs, **self._const)
+
+    def __getattr__(self, attr: str):
+        # Unlabelled use (inc, set, observe) of a metric that has only constant labels.
+        return getattr(self._metric.labels(**self._const), attr)
+
+
+def serve_metrics(metrics: Metrics, port: int, host: str = "127.0.0.1") -> WSGIServer:
+    """Expose one component's metrics over HTTP on a daemon thread; port 0 picks one."""
+    server, _thread = prom.start_http_server(port, addr=host, registry=metrics.registry)
+    return server

@@ -1,0 +1,1 @@
+"""Wire messages: msgspec Structs, one module per protocol."""

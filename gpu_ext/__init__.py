@@ -1,0 +1,1 @@
+"""Paged-KV gather/scatter kernels (Triton) with a torch fallback."""

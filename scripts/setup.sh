@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Installs everything kvmesh and its tests need on a fresh Debian machine, into ./.venv.
+# Safe to run again: each step is skipped when already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+VENV=${KVMESH_VENV:-.venv}
+TORCH_VERSION=2.13.0
+
+log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+
+# System packages the tests start for real (redis-server for the remote tier).
+need_apt=()
+command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" -eq 0 ]; then
+    log "apt-get install ${need_apt[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+  else
+    log "missing system packages: ${need_apt[*]} (run as root, or install them yourself)"
+    exit 1
+  fi
+fi
+
+[ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+
+# CPU torch first: anything installed before it that asks for torch makes pip fetch the
+# multi-GB CUDA build (shared/RECIPES.md).
+if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+  log "installing torch==$TORCH_VERSION (CPU)"
+  "${PIP[@]}" install "torch==$TORCH_VERSION"
+fi
+
+stamp="$VENV/.kvmesh-installed"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] || [ "$0" -nt "$stamp" ]; then
+  log "installing kvmesh (editable) with extras: dev,triton"
+  # The constraint keeps every later resolution on the CPU torch installed above.
+  echo "torch==$TORCH_VERSION" > "$VENV/torch-constraint.txt"
+  "${PIP[@]}" install -c "$VENV/torch-constraint.txt" -e ".[dev,triton]" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
+  "$VENV/bin/python" -c "import kvmesh.common, torch; assert torch.__version__.startswith('$TORCH_VERSION')"
+  touch "$stamp"
+fi
+log "ready: $VENV"

@@ -1,0 +1,1 @@
+"""The kvmesh services and the embedded worker engine."""

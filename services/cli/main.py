@@ -1,0 +1,26 @@
+"""The `kvmesh` console script: one click group, sub-commands in their own modules."""
+
+from __future__ import annotations
+
+import click
+
+from kvmesh import __version__
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", "-V", prog_name="kvmesh")
+def cli() -> None:
+    """kvmesh: a hierarchical KV-cache layer for LLM serving."""
+
+
+@cli.group()
+def serve() -> None:
+    """Start a kvmesh service (controller, lookup, cacheserver, bridge)."""
+
+
+def main() -> None:
+    cli()
+
+
+if __name__ == "__main__":
+    main()

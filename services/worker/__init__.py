@@ -1,0 +1,1 @@
+"""The worker engine embedded in each inference worker."""

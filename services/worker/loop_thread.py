@@ -1,0 +1,90 @@
+"""An asyncio event loop on a daemon thread, driven from synchronous callers.
+
+The inference engine calls the worker engine from its own thread; lower tiers (disk,
+remote, peers) are asyncio code. This thread owns the loop; callers hand it
+coroutines and wait on the result with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    """Runs one asyncio loop (uvloop when installed) until `stop()`."""
+
+    def __init__(self, name: str = "kvmesh-loop") -> None:
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+        self._ready.wait()
+
+    def _main(self) -> None:
+        try:
+            import uvloop
+
+            loop = uvloop.new_event_loop()
+        except ImportError:
+            loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        self._loop = loop
+        self._ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        assert self._loop is not None
+        return self._loop
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def in_loop_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule a coroutine; the returned future can be waited on from any thread."""
+        if not self.running:
+            coro.close()
+            raise RuntimeError("the engine's event loop is stopped")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
+        """Run a coroutine on the loop and wait for it; on timeout it is cancelled."""
+        if self.in_loop_thread():
+            coro.close()
+            raise RuntimeError("LoopThread.run called from the loop thread would deadlock")
+        fut = self.submit(coro)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"engine operation did not finish within {timeout}s") from None
+
+    def call_soon(self, fn: Any, *args: Any) -> None:
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Cancel what runs on the loop, stop it and join the thread."""
+        if self._thread.is_alive() and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise RuntimeError(f"event loop thread did not stop within {timeout}s")

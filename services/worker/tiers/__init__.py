@@ -1,0 +1,1 @@
+"""Storage tiers behind one interface: L1 host memory now; disk, remote, P2P later."""

@@ -1,0 +1,68 @@
+"""The interface every storage tier implements, and the allocator a tier reads into.
+
+Reference convention: a tier that hands out a MemoryObj (`get`) has taken one
+reference for the caller, who drops it with `ref_down()` when done. `submit_put`
+takes its own reference on the object for as long as it needs the bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from kvmesh.common.keys import ChunkKey
+from kvmesh.common.memory import MemoryFormat, MemoryObj
+
+
+@runtime_checkable
+class Allocator(Protocol):
+    """Where a lower tier puts the bytes it reads (the L1 pool, evicting as needed)."""
+
+    def allocate(
+        self, shape: torch.Size, dtype: torch.dtype, fmt: MemoryFormat
+    ) -> MemoryObj | None: ...
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """One level of the cache. Methods may be called from any thread."""
+
+    name: str
+
+    def contains(self, key: ChunkKey, pin: bool = False) -> bool:
+        """Whether the chunk is here; with pin, it stays until `unpin`."""
+        ...
+
+    def batched_contains(self, keys: Sequence[ChunkKey], pin: bool = False) -> int:
+        """How many of keys, from the first, are here (stops at the first miss)."""
+        ...
+
+    def submit_put(self, key: ChunkKey, obj: MemoryObj) -> None:
+        """Store a copy of obj under key without blocking the caller."""
+        ...
+
+    def get(self, key: ChunkKey, allocator: Allocator) -> MemoryObj | None:
+        """The chunk (one reference is the caller's), or None on a miss."""
+        ...
+
+    async def aget(self, key: ChunkKey, allocator: Allocator) -> MemoryObj | None:
+        """`get` for the event loop: never blocks it."""
+        ...
+
+    def remove(self, key: ChunkKey) -> bool: ...
+
+    def clear(self) -> int:
+        """Drop every unpinned chunk; returns how many were dropped."""
+        ...
+
+    def pin(self, key: ChunkKey) -> bool: ...
+
+    def unpin(self, key: ChunkKey) -> bool: ...
+
+    def touch(self, key: ChunkKey) -> None:
+        """Count a use of the chunk for the eviction policy."""
+        ...
+
+    def close(self) -> None: ...
