@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from kvmesh import __version__
+from kvmesh.services.cli.config_cmd import config
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -16,6 +17,9 @@ def cli() -> None:
 @cli.group()
 def serve() -> None:
     """Start a kvmesh service (controller, lookup, cacheserver, bridge)."""
+
+
+cli.add_command(config)
 
 
 def main() -> None:

@@ -1,0 +1,135 @@
+"""The configuration schema: one frozen Struct per service, nested under KvmeshConfig.
+
+Every field has a default, so an empty file is a valid config. Single-field limits are
+`msgspec.Meta` constraints (checked when decoding); rules that relate two fields live
+in `__post_init__` and raise RuleError naming the field the user should change.
+docs/configuration.md describes every key; keep the two in step.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from kvmesh.common.config.sizes import ByteSize, format_size
+
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+# 0 is how a port field says "off" (metrics) or "let the OS pick" (tests).
+PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
+PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
+
+HashAlgorithm = Literal["xxh3_128", "blake3"]
+EvictionPolicy = Literal["lru", "lfu", "fifo", "mru"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+
+class RuleError(ValueError):
+    """A cross-field rule failed.
+
+    `field` is the key (within its Struct) to change; `related` names the other keys the
+    rule reads, so the error can say where their values came from.
+    """
+
+    def __init__(self, field: str, message: str, related: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.field = field
+        self.related = related
+
+
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Base for every config Struct: immutable, typo-proof, keyword-only."""
+
+
+class L1Config(_Section):
+    """The host-memory tier, which is also the allocator every other tier copies through."""
+
+    enabled: bool = True
+    max_size: ByteSize = ByteSize("5GiB")
+    reserve: ByteSize = ByteSize("2GiB")
+    eviction_policy: EvictionPolicy = "lru"
+    alloc_timeout_s: PositiveSeconds = 1.0
+
+    def __post_init__(self) -> None:
+        # With L1 on, a zero pool could hold no chunk and every store would fail;
+        # turning the tier off is the way to say "no L1".
+        if self.enabled and self.max_size == 0:
+            raise RuleError(
+                "max_size",
+                "must be > 0 while l1 is enabled (set enabled: false to turn L1 off)",
+                related=("enabled",),
+            )
+
+
+class EngineConfig(_Section):
+    """The worker engine embedded in each inference worker process."""
+
+    chunk_size: PositiveInt = 256
+    save_unfull_chunk: bool = False
+    hash_algorithm: HashAlgorithm = "xxh3_128"
+    model_name: str = "unknown"
+    tenant_salt: str = ""
+    l1: L1Config = L1Config()
+    pin_timeout_s: PositiveSeconds = 30.0
+    layerwise: bool = False
+    max_inflight_io: PositiveInt = 64
+    # Empty means the default ipc:// path the lookup-server binds on this host.
+    lookup_endpoint: str = ""
+    metrics_port: Port = 0
+
+
+class ControllerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: Port = 7600
+    metrics_port: Port = 0
+    request_timeout_s: PositiveSeconds = 5.0
+
+
+class LookupConfig(_Section):
+    host: str = "127.0.0.1"
+    port: Port = 7610
+    metrics_port: Port = 0
+    request_timeout_s: PositiveSeconds = 5.0
+
+
+class CacheServerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: Port = 7620
+    metrics_port: Port = 0
+    request_timeout_s: PositiveSeconds = 5.0
+    max_memory: ByteSize = ByteSize("4GiB")
+    max_value_size: ByteSize = ByteSize("256MiB")
+
+    def __post_init__(self) -> None:
+        # A value larger than the whole store could never be admitted; say so at
+        # startup rather than rejecting every such put at runtime.
+        if self.max_value_size > self.max_memory:
+            raise RuleError(
+                "max_value_size",
+                f"must not exceed max_memory ({format_size(int(self.max_value_size))}"
+                f" > {format_size(int(self.max_memory))})",
+                related=("max_memory",),
+            )
+
+
+class BridgeConfig(_Section):
+    host: str = "127.0.0.1"
+    port: Port = 7630
+    metrics_port: Port = 0
+    request_timeout_s: PositiveSeconds = 5.0
+
+
+class LoggingConfig(_Section):
+    level: LogLevel = "info"
+    json: bool = True
+
+
+class KvmeshConfig(_Section):
+    """The whole configuration; each process reads the sections it needs."""
+
+    engine: EngineConfig = EngineConfig()
+    controller: ControllerConfig = ControllerConfig()
+    lookup: LookupConfig = LookupConfig()
+    cacheserver: CacheServerConfig = CacheServerConfig()
+    bridge: BridgeConfig = BridgeConfig()
+    logging: LoggingConfig = LoggingConfig()
