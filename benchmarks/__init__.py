@@ -1,0 +1,1 @@
+"""Performance checks: one module per goal, each runnable as `python -m benchmarks.<name>`."""
