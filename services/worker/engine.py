@@ -1,0 +1,372 @@
+"""KVEngine: store, retrieve and look up the KV of token sequences for one worker rank.
+
+The engine is called synchronously from the inference engine's thread. L1 work
+happens inline on that thread; lower tiers, pin expiry and prefetch run on the
+engine's own event loop (LoopThread). A cache failure is never an inference
+failure: store is best effort, and retrieve loads the longest prefix it can verify.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import Generator, Sequence
+
+import torch
+
+from kvmesh.common.config import EngineConfig
+from kvmesh.common.keys import ChunkKey, KeyNamespace
+from kvmesh.common.memory import HostMemoryPool, MemoryFormat, MemoryObj
+from kvmesh.common.observability import get_logger
+from kvmesh.common.tokendb import ChunkedTokenDatabase
+from kvmesh.gpu_ext import make_copier
+from kvmesh.services.worker import layerwise
+from kvmesh.services.worker.events import KVEventBuffer, KVEventKind
+from kvmesh.services.worker.loop_thread import LoopThread
+from kvmesh.services.worker.mla import MLABroadcast
+from kvmesh.services.worker.pins import LookupPins
+from kvmesh.services.worker.stats import EngineStats
+from kvmesh.services.worker.storage_manager import StorageManager
+from kvmesh.services.worker.tiers.base import Tier
+from kvmesh.services.worker.tiers.host import AllocationError, HostTier
+
+log = get_logger(__name__)
+
+Tokens = Sequence[int] | torch.Tensor
+Chunk = tuple[int, int, ChunkKey]
+
+
+class KVEngine:
+    """The cache of one (instance id, rank): build it with `get_or_create_engine`."""
+
+    def __init__(
+        self,
+        instance_id: str,
+        rank: int,
+        config: EngineConfig,
+        kv_caches: Sequence[torch.Tensor] | torch.Tensor | dict[str, torch.Tensor],
+        *,
+        world_size: int = 1,
+        lower_tiers: Sequence[Tier] = (),
+        mla_group: object | None = None,
+    ) -> None:
+        self.instance_id = instance_id
+        self.rank = rank
+        self.world_size = world_size
+        self.config = config
+        self._lock = threading.Lock()
+        self._closed = False
+        self._frozen = False
+
+        self.copier = make_copier(kv_caches)
+        self.layout = self.copier.layout
+        self.is_mla = self.layout.is_mla
+        self.chunk_format = MemoryFormat.KV_MLA if self.is_mla else MemoryFormat.KV_2LTD
+        self.namespace = KeyNamespace(
+            model=config.model_name,
+            kv_layout=self.layout.chunk_format_name,
+            dtype=str(self.layout.dtype).removeprefix("torch."),
+            # MLA KV is the same on every rank: one namespace lets rank 0 serve all.
+            world_size=1 if self.is_mla else world_size,
+            rank=0 if self.is_mla else rank,
+            tenant=config.tenant_salt,
+        )
+        self.tokendb = ChunkedTokenDatabase(
+            self.namespace,
+            chunk_size=config.chunk_size,
+            save_unfull_chunk=config.save_unfull_chunk,
+            hash_algorithm=config.hash_algorithm,
+        )
+
+        page = self.layout.chunk_nbytes(config.chunk_size)
+        self.pool = HostMemoryPool(
+            int(config.l1.max_size), page_size=page, reserve_bytes=int(config.l1.reserve)
+        )
+        self.events = KVEventBuffer()
+        self.loop = LoopThread(name=f"kvmesh-engine-{instance_id}-{rank}")
+        l1 = HostTier(
+            self.pool,
+            policy=config.l1.eviction_policy,
+            alloc_timeout_s=config.l1.alloc_timeout_s,
+            on_evict=self._on_evict,
+        )
+        self.storage = StorageManager(
+            l1, lower_tiers, self.loop, self.events, max_inflight_io=config.max_inflight_io
+        )
+        self.stats = EngineStats(instance_id, rank, [t.name for t in self.storage.tiers])
+        self.stats.l1_capacity.set(self.pool.capacity_bytes)
+        self.pins = LookupPins(self.storage.unpin, config.pin_timeout_s)
+        self._mla = MLABroadcast(mla_group, rank) if self.is_mla and world_size > 1 else None
+        self._prefetches: dict[str, concurrent.futures.Future[int]] = {}
+        self.loop.submit(self._expire_pins_forever())
+        log.info(
+            "engine started",
+            instance=instance_id,
+            rank=rank,
+            namespace=self.namespace.ns_id,
+            l1_bytes=self.pool.capacity_bytes,
+            page_bytes=page,
+            mla=self.is_mla,
+        )
+
+    # -- bookkeeping ------------------------------------------------------------------
+    def _on_evict(self, key: ChunkKey, obj: MemoryObj) -> None:
+        self.stats.evictions["l1"].inc()
+        self.events.record(KVEventKind.REMOVED, key.to_str(), "l1")
+
+    async def _expire_pins_forever(self) -> None:
+        period = max(0.05, min(1.0, self.config.pin_timeout_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            self.pins.expire()
+            self.stats.pinned_lookups.set(len(self.pins))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"engine {self.instance_id}/{self.rank} is closed")
+
+    def register_kv_caches(
+        self, kv_caches: Sequence[torch.Tensor] | torch.Tensor | dict[str, torch.Tensor]
+    ) -> None:
+        """Point the engine at (new) paged KV tensors of the same shape of chunk."""
+        copier = make_copier(kv_caches)
+        if copier.layout.chunk_format_name != self.layout.chunk_format_name or (
+            copier.layout.dtype != self.layout.dtype
+        ):
+            raise ValueError(
+                "new KV caches hold another kind of chunk "
+                f"({copier.layout.chunk_format_name}/{copier.layout.dtype} vs "
+                f"{self.layout.chunk_format_name}/{self.layout.dtype})"
+            )
+        self.copier = copier
+        self.layout = copier.layout
+
+    def chunks(self, tokens: Tokens, mask: torch.Tensor | None = None) -> list[Chunk]:
+        return list(self.tokendb.process_tokens(tokens, mask))
+
+    def _new_chunk_obj(self, num_tokens: int) -> MemoryObj:
+        return self.storage.l1.allocate(
+            self.layout.chunk_shape(num_tokens), self.layout.dtype, self.chunk_format
+        )
+
+    def _stores_here(self) -> bool:
+        return not self._frozen and not (self.is_mla and self.rank != 0)
+
+    # -- store ------------------------------------------------------------------------
+    def store(
+        self, tokens: Tokens, slot_mapping: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> int:
+        """Copy the KV of tokens' full chunks out of the paged cache into the cache.
+
+        slot_mapping has one slot per token; mask's leading False entries mark a prefix
+        that is already cached (a multiple of the chunk size). Returns tokens stored.
+        """
+        self._check_open()
+        t0 = time.perf_counter()
+        self.stats.requests["store"].inc()
+        self.stats.tokens_requested["store"].inc(len(tokens))
+        if not self._stores_here():
+            self.stats.stores_skipped.inc()
+            return 0
+        stored = 0
+        l1 = self.storage.l1
+        for start, end, key in self.tokendb.process_tokens(tokens, mask):
+            if l1.contains(key):
+                l1.touch(key)
+                continue
+            try:
+                obj = self._new_chunk_obj(end - start)
+            except AllocationError as exc:
+                self.stats.alloc_failures.inc()
+                log.warning("store stopped: no memory", error=str(exc))
+                break
+            self.copier.gather(slot_mapping[start:end], obj.tensor)
+            obj.key = key
+            if self.storage.put(key, obj):
+                stored += end - start
+                self.stats.chunks_stored.inc()
+        self._account_store(stored, t0)
+        return stored
+
+    def _account_store(self, stored: int, t0: float) -> None:
+        self.stats.tokens_stored.inc(stored)
+        self.stats.l1_used.set(self.pool.used_bytes)
+        self.stats.l1_chunks.set(len(self.storage.l1))
+        self.stats.latency["store"].observe(time.perf_counter() - t0)
+
+    # -- lookup -----------------------------------------------------------------------
+    def lookup(self, tokens: Tokens, lookup_id: str | None = None, pin: bool = True) -> int:
+        """How many leading tokens the cache holds. With a lookup id and pin, what was
+        counted stays until the matching retrieve, `release_lookup`, or the pin timeout."""
+        self._check_open()
+        t0 = time.perf_counter()
+        self.stats.requests["lookup"].inc()
+        self.stats.tokens_requested["lookup"].inc(len(tokens))
+        chunks = self.chunks(tokens)
+        keys = [key for _, _, key in chunks]
+        do_pin = pin and lookup_id is not None
+        n, per_tier, pinned = self.storage.prefix_hits(keys, pin=do_pin)
+        if do_pin:
+            self.pins.hold(lookup_id, pinned)
+        hit = chunks[n - 1][1] if n else 0
+        by_tier: dict[str, int] = {}
+        first = 0
+        for tier, count in per_tier:
+            last = first + count
+            by_tier[tier.name] = chunks[last - 1][1] - chunks[first][0]
+            first = last
+        self.stats.record_lookup(len(tokens), by_tier)
+        self.stats.latency["lookup"].observe(time.perf_counter() - t0)
+        return hit
+
+    def release_lookup(self, lookup_id: str) -> None:
+        """Drop the pins of a lookup whose request will not be retrieved."""
+        self.pins.release(lookup_id)
+        fut = self._prefetches.pop(lookup_id, None)
+        if fut is not None:
+            fut.cancel()
+
+    # -- retrieve ---------------------------------------------------------------------
+    def retrieve(
+        self,
+        tokens: Tokens,
+        slot_mapping: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        lookup_id: str | None = None,
+    ) -> torch.Tensor:
+        """Load the longest cached prefix into the paged cache at slot_mapping.
+
+        Returns a bool mask over tokens: True where KV was loaded. Stops at the first
+        chunk no tier holds. Releases the pins of lookup_id.
+        """
+        self._check_open()
+        t0 = time.perf_counter()
+        self.stats.requests["retrieve"].inc()
+        self.stats.tokens_requested["retrieve"].inc(len(tokens))
+        loaded = torch.zeros(len(tokens), dtype=torch.bool)
+        chunks = self.chunks(tokens, mask)
+        try:
+            if self._mla is not None:
+                self._mla.retrieve(self, chunks, slot_mapping, loaded)
+            else:
+                objs, sources = self.storage.get_prefix([k for _, _, k in chunks])
+                self._scatter_all(chunks, objs, sources, slot_mapping, loaded)
+        finally:
+            if lookup_id is not None:
+                self.release_lookup(lookup_id)
+            self.stats.latency["retrieve"].observe(time.perf_counter() - t0)
+        return loaded
+
+    def _scatter_all(
+        self,
+        chunks: list[Chunk],
+        objs: list[MemoryObj],
+        sources: list[str],
+        slot_mapping: torch.Tensor,
+        loaded: torch.Tensor,
+    ) -> None:
+        try:
+            for (start, end, _), obj, source in zip(chunks, objs, sources, strict=False):
+                if not self._fits(obj, end - start):
+                    self.stats.load_errors.inc()
+                    break
+                self.copier.scatter(slot_mapping[start:end], obj.tensor)
+                loaded[start:end] = True
+                self.stats.tokens_hit[source].inc(end - start)
+        finally:
+            for obj in objs:
+                obj.ref_down()
+
+    def _fits(self, obj: MemoryObj, num_tokens: int) -> bool:
+        expected = self.layout.chunk_shape(num_tokens)
+        if tuple(obj.shape) != tuple(expected) or obj.dtype != self.layout.dtype:
+            log.error(
+                "chunk of unexpected shape dropped",
+                shape=tuple(obj.shape),
+                expected=tuple(expected),
+                dtype=str(obj.dtype),
+            )
+            return False
+        return True
+
+    # -- layer by layer ----------------------------------------------------------------
+    def store_layer(
+        self, tokens: Tokens, slot_mapping: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> Generator[int, None, int]:
+        """Store layer by layer: call next() after each layer's KV is in the paged
+        cache; the call after the last layer commits and returns the tokens stored."""
+        return layerwise.store_layers(self, tokens, slot_mapping, mask)
+
+    def retrieve_layer(
+        self,
+        tokens: Tokens,
+        slot_mapping: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        lookup_id: str | None = None,
+    ) -> Generator[torch.Tensor, None, torch.Tensor]:
+        """Load layer by layer: each next() loads one more layer (yielding the mask of
+        tokens being loaded); the call after the last layer returns that mask."""
+        return layerwise.retrieve_layers(self, tokens, slot_mapping, mask, lookup_id)
+
+    # -- prefetch ---------------------------------------------------------------------
+    def prefetch(self, tokens: Tokens, lookup_id: str) -> concurrent.futures.Future[int]:
+        """Look up tokens and pull lower-tier hits into L1, pinned under lookup_id until
+        the matching retrieve, `release_lookup`, or the pin timeout. The future gives
+        the hit tokens."""
+        self._check_open()
+        chunks = self.chunks(tokens)
+        fut = self.loop.submit(self._prefetch(chunks, lookup_id))
+        self._prefetches[lookup_id] = fut
+        fut.add_done_callback(lambda _f: self._prefetches.pop(lookup_id, None))
+        return fut
+
+    async def _prefetch(self, chunks: list[Chunk], lookup_id: str) -> int:
+        t0 = time.perf_counter()
+        self.stats.requests["prefetch"].inc()
+        keys = [key for _, _, key in chunks]
+        objs, _sources = await self.storage.aget_prefix(keys)
+        pinned = []
+        for key, obj in zip(keys, objs, strict=False):
+            if self.storage.l1.pin(key):
+                pinned.append((self.storage.l1, key))
+            obj.ref_down()
+        self.pins.hold(lookup_id, pinned)
+        self.stats.latency["prefetch"].observe(time.perf_counter() - t0)
+        return chunks[len(objs) - 1][1] if objs else 0
+
+    # -- management -------------------------------------------------------------------
+    def clear(self, tokens: Tokens | None = None, tier: str | None = None) -> int:
+        """Remove chunks (all, or those of tokens) from every tier or one; pinned
+        chunks stay. Returns how many chunk copies were removed."""
+        self._check_open()
+        if tokens is None:
+            n = self.storage.clear(tier)
+        else:
+            n = sum(self.storage.remove(key, tier) for _, _, key in self.chunks(tokens))
+        self.stats.l1_used.set(self.pool.used_bytes)
+        self.stats.l1_chunks.set(len(self.storage.l1))
+        return n
+
+    def freeze(self, frozen: bool = True) -> None:
+        """While frozen, stores are skipped; lookups and retrieves go on."""
+        self._frozen = frozen
+
+    @property
+    def frozen(self) -> bool:
+        return self._frozen
+
+    def close(self) -> None:
+        """Release every resource: pins, the event loop thread, tiers, the pool."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for fut in list(self._prefetches.values()):
+            fut.cancel()
+        self.pins.release_all()
+        self.loop.stop()
+        self.storage.close()
+        self.pool.close()
+        log.info("engine closed", instance=self.instance_id, rank=self.rank)

@@ -1,0 +1,110 @@
+"""Layer-by-layer store and retrieve, as generators the inference engine steps.
+
+Each step moves one layer, so the copy (and, on a GPU, the transfer behind it) of
+layer i overlaps the attention compute of the next layer. Chunks are committed to
+the tiers only after every layer is in place: a half-written chunk is never visible.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvmesh.common.observability import get_logger
+from kvmesh.services.worker.tiers.host import AllocationError
+
+if TYPE_CHECKING:
+    from kvmesh.services.worker.engine import KVEngine
+
+log = get_logger(__name__)
+
+
+def store_layers(
+    engine: KVEngine,
+    tokens: Sequence[int] | torch.Tensor,
+    slot_mapping: torch.Tensor,
+    mask: torch.Tensor | None,
+) -> Generator[int, None, int]:
+    engine._check_open()
+    engine.stats.requests["store"].inc()
+    engine.stats.tokens_requested["store"].inc(len(tokens))
+    t0 = time.perf_counter()
+    pending = []
+    if engine._stores_here():
+        l1 = engine.storage.l1
+        for start, end, key in engine.chunks(tokens, mask):
+            if l1.contains(key):
+                continue
+            try:
+                obj = engine._new_chunk_obj(end - start)
+            except AllocationError as exc:
+                engine.stats.alloc_failures.inc()
+                log.warning("layerwise store truncated: no memory", error=str(exc))
+                break
+            pending.append((start, end, key, obj))
+    else:
+        engine.stats.stores_skipped.inc()
+    committed = False
+    try:
+        num_layers = engine.layout.num_layers
+        for layer in range(num_layers):
+            for start, end, _key, obj in pending:
+                engine.copier.gather(slot_mapping[start:end], obj.tensor, layer=layer)
+            if layer < num_layers - 1:
+                yield layer
+        stored = 0
+        for start, end, key, obj in pending:
+            obj.key = key
+            if engine.storage.put(key, obj):
+                stored += end - start
+                engine.stats.chunks_stored.inc()
+        committed = True
+        engine._account_store(stored, t0)
+        return stored
+    finally:
+        if not committed:  # abandoned part way: the buffers go back to the pool
+            for *_, obj in pending:
+                obj.ref_down()
+
+
+def retrieve_layers(
+    engine: KVEngine,
+    tokens: Sequence[int] | torch.Tensor,
+    slot_mapping: torch.Tensor,
+    mask: torch.Tensor | None,
+    lookup_id: str | None,
+) -> Generator[torch.Tensor, None, torch.Tensor]:
+    engine._check_open()
+    t0 = time.perf_counter()
+    engine.stats.requests["retrieve"].inc()
+    engine.stats.tokens_requested["retrieve"].inc(len(tokens))
+    loaded = torch.zeros(len(tokens), dtype=torch.bool)
+    chunks = engine.chunks(tokens, mask)
+    objs, sources = engine.storage.get_prefix([k for _, _, k in chunks])
+    usable = []
+    for (start, end, _), obj, source in zip(chunks, objs, sources, strict=False):
+        if not engine._fits(obj, end - start):
+            engine.stats.load_errors.inc()
+            break
+        usable.append((start, end, obj, source))
+    for start, end, _obj, _src in usable:
+        loaded[start:end] = True
+    try:
+        num_layers = engine.layout.num_layers
+        for layer in range(num_layers):
+            for start, end, obj, _src in usable:
+                engine.copier.scatter(slot_mapping[start:end], obj.tensor, layer=layer)
+            if layer < num_layers - 1:
+                yield loaded
+        for start, end, _obj, source in usable:
+            engine.stats.tokens_hit[source].inc(end - start)
+        return loaded
+    finally:
+        for obj in objs:
+            obj.ref_down()
+        if lookup_id is not None:
+            engine.release_lookup(lookup_id)
+        engine.stats.latency["retrieve"].observe(time.perf_counter() - t0)

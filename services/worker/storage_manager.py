@@ -1,0 +1,178 @@
+"""Tiers in order: write-all puts, waterfall gets with promotion to L1.
+
+L1 is consulted inline on the caller's thread (a dict lookup under a lock is
+microseconds; a hop to the event loop would cost more than the work). Lower tiers
+run on the engine's event loop with a bound on concurrent I/O, and anything they
+fail at is a miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from kvmesh.common.keys import ChunkKey
+from kvmesh.common.memory import MemoryObj
+from kvmesh.common.observability import get_logger
+from kvmesh.services.worker.events import KVEventBuffer, KVEventKind
+from kvmesh.services.worker.loop_thread import LoopThread
+from kvmesh.services.worker.tiers.base import Tier
+from kvmesh.services.worker.tiers.host import HostTier
+
+log = get_logger(__name__)
+
+
+class StorageManager:
+    """L1 plus any lower tiers; every method may be called from any thread."""
+
+    def __init__(
+        self,
+        l1: HostTier,
+        lower: Sequence[Tier],
+        loop: LoopThread,
+        events: KVEventBuffer,
+        *,
+        max_inflight_io: int = 64,
+        io_timeout_s: float = 5.0,
+    ) -> None:
+        self.l1 = l1
+        self.lower = list(lower)
+        self._loop = loop
+        self._events = events
+        self._io_timeout_s = io_timeout_s
+        self._io_slots = asyncio.Semaphore(max_inflight_io)
+        self._pending: set[asyncio.Future] = set()
+
+    @property
+    def tiers(self) -> list[Tier | HostTier]:
+        return [self.l1, *self.lower]
+
+    def tier(self, name: str) -> Tier | HostTier:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise KeyError(f"no tier named {name!r}; tiers: {[t.name for t in self.tiers]}")
+
+    # -- store ----------------------------------------------------------------------
+    def put(self, key: ChunkKey, obj: MemoryObj) -> bool:
+        """Store obj (allocated from L1, the caller's reference is taken over) in L1 and
+        submit it to every lower tier; False when L1 already had the key."""
+        for tier in self.lower:
+            try:
+                tier.submit_put(key, obj)
+            except Exception as exc:  # a failing tier is skipped, never fatal
+                log.warning("tier put failed", tier=tier.name, error=repr(exc))
+        if not self.l1.insert(key, obj):
+            return False
+        self._events.record(KVEventKind.STORED, key.to_str(), self.l1.name)
+        return True
+
+    # -- lookup ---------------------------------------------------------------------
+    def prefix_hits(
+        self, keys: Sequence[ChunkKey], pin: bool = False
+    ) -> tuple[int, list[tuple[Tier | HostTier, int]], list[tuple[Tier | HostTier, ChunkKey]]]:
+        """How many keys, from the first, some tier holds.
+
+        Returns (count, [(tier, chunks counted in it)], [(tier, key) pinned]).
+        """
+        n = self.l1.batched_contains(keys, pin=pin)
+        per_tier: list[tuple[Tier | HostTier, int]] = [(self.l1, n)] if n else []
+        pinned = [(self.l1, k) for k in keys[:n]] if pin else []
+        while n < len(keys) and self.lower:
+            for tier in self.lower:
+                try:
+                    m = tier.batched_contains(keys[n:], pin=pin)
+                except Exception as exc:
+                    log.warning("tier lookup failed", tier=tier.name, error=repr(exc))
+                    m = 0
+                if m:
+                    per_tier.append((tier, m))
+                    if pin:
+                        pinned.extend((tier, k) for k in keys[n : n + m])
+                    n += m
+                    break
+            else:
+                break
+        return n, per_tier, pinned
+
+    # -- retrieve -------------------------------------------------------------------
+    def get_prefix(self, keys: Sequence[ChunkKey]) -> tuple[list[MemoryObj], list[str]]:
+        """Objects for the longest prefix of keys found in any tier (one reference each
+        for the caller) and the name of the tier each came from."""
+        objs = self.l1.get_prefix(keys)
+        names = [self.l1.name] * len(objs)
+        if len(objs) < len(keys) and self.lower:
+            try:
+                more = self._loop.run(self._lower_prefix(keys[len(objs) :]), self._io_timeout_s)
+            except TimeoutError:
+                more = []
+            for obj, name in more:
+                objs.append(obj)
+                names.append(name)
+        return objs, names
+
+    async def aget_prefix(self, keys: Sequence[ChunkKey]) -> tuple[list[MemoryObj], list[str]]:
+        """`get_prefix` for code already on the engine's event loop."""
+        objs = self.l1.get_prefix(keys)
+        names = [self.l1.name] * len(objs)
+        if len(objs) < len(keys) and self.lower:
+            for obj, name in await self._lower_prefix(keys[len(objs) :]):
+                objs.append(obj)
+                names.append(name)
+        return objs, names
+
+    async def _lower_prefix(self, keys: Sequence[ChunkKey]) -> list[tuple[MemoryObj, str]]:
+        fetched = await asyncio.gather(*(self._aget_lower(k) for k in keys))
+        out: list[tuple[MemoryObj, str]] = []
+        for i, item in enumerate(fetched):
+            if item is None:
+                # Prefix semantics: what lies past the first miss is dropped.
+                for later in fetched[i + 1 :]:
+                    if later is not None:
+                        later[0].ref_down()
+                break
+            out.append(item)
+        return out
+
+    async def _aget_lower(self, key: ChunkKey) -> tuple[MemoryObj, str] | None:
+        for tier in self.lower:
+            try:
+                async with self._io_slots:
+                    obj = await tier.aget(key, self.l1)
+            except Exception as exc:
+                log.warning("tier get failed", tier=tier.name, error=repr(exc))
+                continue
+            if obj is not None:
+                self._promote(key, obj)
+                return obj, tier.name
+        return None
+
+    def _promote(self, key: ChunkKey, obj: MemoryObj) -> None:
+        obj.ref_up()  # L1's own reference; the caller keeps the one aget gave
+        if self.l1.insert(key, obj):
+            self._events.record(KVEventKind.STORED, key.to_str(), self.l1.name)
+
+    # -- management -----------------------------------------------------------------
+    def unpin(self, pinned: Sequence[tuple[Tier | HostTier, ChunkKey]]) -> None:
+        for tier, key in pinned:
+            tier.unpin(key)
+
+    def remove(self, key: ChunkKey, tier: str | None = None) -> int:
+        n = 0
+        for t in self.tiers:
+            if (tier is None or t.name == tier) and t.remove(key):
+                n += 1
+                self._events.record(KVEventKind.REMOVED, key.to_str(), t.name)
+        return n
+
+    def clear(self, tier: str | None = None) -> int:
+        n = 0
+        for t in self.tiers:
+            if tier is None or t.name == tier:
+                n += t.clear()
+        return n
+
+    def close(self) -> None:
+        for tier in self.lower:
+            tier.close()
+        self.l1.close()

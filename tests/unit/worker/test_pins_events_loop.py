@@ -1,0 +1,90 @@
+"""LookupPins, KVEventBuffer and LoopThread on their own."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from kvmesh.services.worker.events import KVEventBuffer, KVEventKind
+from kvmesh.services.worker.loop_thread import LoopThread
+from kvmesh.services.worker.pins import LookupPins
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.unpinned: list[object] = []
+
+    def __call__(self, keys) -> None:
+        self.unpinned.extend(keys)
+
+
+def test_release_unpins_once() -> None:
+    rec = Recorder()
+    pins = LookupPins(rec, timeout_s=60)
+    pins.hold("a", ["k1", "k2"])
+    assert "a" in pins
+    assert pins.release("a") == 2
+    assert pins.release("a") == 0
+    assert rec.unpinned == ["k1", "k2"]
+
+
+def test_reissued_lookup_releases_old_pins_and_keeps_new_deadline() -> None:
+    rec = Recorder()
+    pins = LookupPins(rec, timeout_s=0.2)
+    pins.hold("a", ["old"])
+    time.sleep(0.15)
+    pins.hold("a", ["new"])
+    assert rec.unpinned == ["old"]
+    # The first deadline passed; the re-issued lookup's has not.
+    assert pins.expire(time.monotonic() + 0.06) == 0
+    assert "a" in pins
+    assert pins.expire(time.monotonic() + 0.3) == 1
+    assert rec.unpinned == ["old", "new"]
+
+
+def test_expiry_and_release_all() -> None:
+    rec = Recorder()
+    pins = LookupPins(rec, timeout_s=10)
+    pins.hold("a", ["x"])
+    pins.hold("b", ["y"])
+    assert pins.expire() == 0
+    assert pins.expire(time.monotonic() + 11) == 2
+    assert len(pins) == 0
+    pins.hold("c", ["z"])
+    pins.release_all()
+    assert sorted(rec.unpinned) == ["x", "y", "z"]
+
+
+def test_event_buffer_sequence_and_bound() -> None:
+    buf = KVEventBuffer(capacity=3)
+    for i in range(5):
+        buf.record(KVEventKind.STORED, f"k{i}", "l1")
+    assert buf.dropped == 2
+    events = buf.drain()
+    assert [e.key for e in events] == ["k2", "k3", "k4"]
+    assert [e.seq for e in events] == [3, 4, 5]
+    assert buf.drain() == []
+
+
+def test_loop_thread_runs_and_times_out() -> None:
+    lt = LoopThread()
+    try:
+        assert lt.run(asyncio.sleep(0, result=7), timeout=1) == 7
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            lt.run(asyncio.sleep(5), timeout=0.1)
+        assert time.monotonic() - started < 1
+
+        # Work is done on the loop's own thread, not the caller's.
+        async def where() -> str:
+            return threading.current_thread().name
+
+        assert lt.run(where(), timeout=1) != threading.current_thread().name
+    finally:
+        lt.stop()
+    assert not lt.running
+    with pytest.raises(RuntimeError):
+        lt.run(asyncio.sleep(0), timeout=1)
