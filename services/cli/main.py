@@ -6,6 +6,7 @@ import click
 
 from kvmesh import __version__
 from kvmesh.services.cli.config_cmd import config
+from kvmesh.services.cli.demo_cmd import demo
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -20,6 +21,7 @@ def serve() -> None:
 
 
 cli.add_command(config)
+cli.add_command(demo)
 
 
 def main() -> None:

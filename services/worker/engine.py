@@ -107,7 +107,7 @@ class KVEngine:
             rank=rank,
             namespace=self.namespace.ns_id,
             l1_bytes=self.pool.capacity_bytes,
-            page_bytes=page,
+            page_bytes=self.pool.page_size,
             mla=self.is_mla,
         )
 
