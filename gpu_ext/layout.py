@@ -18,7 +18,11 @@ The torch fallback also needs "rows": the largest run of elements that is contig
 both the paged cache and the chunk (one head's K or V, or all heads when they are
 adjacent). A row view ``[num_rows, row_len]`` over the same storage lets one
 ``index_select``/``index_put_`` move every row of a layer, with row indices computed from
-the slot mapping.
+the slot mapping. Where the slots cover whole blocks (vLLM's usual mapping), the torch
+path moves blocks instead, indexing the canonical view's block dimension.
+
+Both kinds of view also come reinterpreted as the widest type their strides allow
+(``widest_view``): copies move bits, not numbers, and wider elements mean fewer of them.
 """
 
 from __future__ import annotations
@@ -127,6 +131,12 @@ class PagedKVViews:
     block_step: int
     token_step: int
     row_table: torch.Tensor
+    # The same memory reinterpreted for the torch path (see widest_view): ``layers`` as
+    # the widest integer type up to 8 bytes (copy kernels), ``rows`` as the widest type
+    # up to 16 bytes (index_put_, which moves one element at a time).
+    wide_layers: tuple[torch.Tensor, ...]
+    wide_rows: tuple[torch.Tensor, ...]
+    block_offsets: torch.Tensor  # arange(block_size): the slots of a block, from its first
 
     def row_index(self, slot_mapping: torch.Tensor) -> torch.Tensor:
         """Row indices ``[kv, tokens * rows_per_token]``, ordered as the chunk stores them.
@@ -190,6 +200,8 @@ def build_views(
     table = (torch.arange(kv, dtype=torch.int64) * (sk // unit)).view(kv, 1) + (
         torch.arange(rows_per_token, dtype=torch.int64) * (sh // unit)
     ).view(1, rows_per_token)
+    layer_width = min(widest_width(t, COPY_WIDTH) for t in canon)
+    row_width = min(widest_width(t, PUT_WIDTH) for t in rows)
     return PagedKVViews(
         layout=layout,
         layers=tuple(canon),
@@ -199,7 +211,41 @@ def build_views(
         block_step=sb // unit,
         token_step=sn // unit,
         row_table=table.to(layout.device),
+        wide_layers=tuple(widest_view(t, layer_width) for t in canon),
+        wide_rows=tuple(widest_view(t, row_width) for t in rows),
+        block_offsets=torch.arange(layout.block_size, dtype=torch.int64, device=layout.device),
     )
+
+
+#: Widest reinterpretations: copy kernels vectorise integers up to 8 bytes (complex128
+#: copies measured slower); index_put_ moves one element at a time, so 16 bytes halves
+#: its element count again, and it copies complex128 as two 8-byte words, bit for bit.
+COPY_WIDTH, PUT_WIDTH = 8, 16
+_BY_WIDTH = {16: torch.complex128, 8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def widest_width(t: torch.Tensor, limit: int) -> int:
+    """The widest element size in bytes, up to ``limit``, that ``t`` can be viewed as.
+
+    ``Tensor.view(dtype)`` needs the last dim contiguous and every stride, the last size
+    and the storage offset to be multiples of the width (counted in bytes here).
+    """
+    size = t.element_size()
+    if t.dim() == 0 or t.stride(-1) != 1:
+        return size
+    strides = t.stride()[:-1]
+    quantities = (t.shape[-1] * size, t.storage_offset() * size, *(s * size for s in strides))
+    width = limit
+    while width > size:
+        if all(q % width == 0 for q in quantities):
+            return width
+        width //= 2
+    return size
+
+
+def widest_view(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` reinterpreted with ``width``-byte elements (``t`` itself at its own width)."""
+    return t if width == t.element_size() else t.view(_BY_WIDTH[width])
 
 
 def _analyse(

@@ -1,16 +1,34 @@
 """Paged KV ⇄ contiguous chunk copies in plain torch: the fallback, and the CPU path.
 
-Both directions work on "rows" (see layout.PagedKVViews): runs of elements contiguous in
-the cache and in the chunk. A layer's K (or V) half of the chunk is ``[tokens *
-rows_per_token, row_len]`` contiguous, and the row indices come from the slot mapping
-once per call, so there are no per-token Python loops and no temporaries:
+Tokens move in one of two ways, chosen per call:
 
-* gather: one ``index_select(out=...)`` per layer and K/V, straight into the chunk. On
-  CPU its contiguous fast path memcpys each row, in parallel.
-* scatter: one ``index_put_`` per layer (K and V together), straight into the cache's
-  row view. That kernel moves one element at a time, so both sides are reinterpreted as
-  the widest integer/complex type the row length and alignment allow (16 bytes for any
-  fp16 head_dim that is a multiple of 8): bits move unchanged, with 8x fewer elements.
+* whole blocks (gather only): when the slots run through whole blocks in order (slot =
+  block * block_size + offset, offsets 0..block_size-1, as vLLM maps them), the chunk's
+  tokens are viewed as ``[blocks, block_size, kv, heads, head_dim]``, the canonical
+  layer's shape, and each layer is one ``index_select(out=...)`` over the block
+  dimension. The kernel builds its copy iterator once and reruns it per block, in
+  parallel over blocks, and each block moves K and V of every head and token, in runs of
+  head_dim elements or more. Both sides are viewed as the widest integer type their
+  strides allow (int64 for any fp16 head_dim that is a multiple of 4): a quarter of the
+  elements, so that a block of 16 tokens x 8 heads x 128 falls under the kernel's grain
+  (32768 elements) and blocks are spread over threads rather than each block split
+  among them (measured 0.5x of copy_ as fp16, 0.8x as int64). A trailing partial block
+  goes by rows.
+* rows (see layout.PagedKVViews): runs of elements contiguous in the cache and in the
+  chunk. A layer's K (or V) half of the chunk is ``[tokens * rows_per_token, row_len]``
+  contiguous, and the row indices come from the slot mapping once per call.
+  Gather is one ``index_select(out=...)`` per layer and K/V, straight into the chunk (its
+  contiguous fast path memcpys each row, in parallel). Scatter is one ``index_put_`` per
+  layer (K and V together), straight into the cache's row view; that kernel moves one
+  element at a time, so both sides are reinterpreted as the widest type the row length
+  and alignment allow (16 bytes for any fp16 head_dim that is a multiple of 8): bits move
+  unchanged, with 8x fewer elements.
+
+Scatter always goes by rows: torch has no CPU kernel that copies whole slices to
+indexed destinations. ``index_copy_``/``index_put_`` at block granularity also move one
+element at a time, over shorter inner loops, and one ``copy_`` per (layer, block) runs
+each block on one thread with a new iterator per call; measured on the Llama-3-8B
+layout (benchmarks/engine.py), each was as slow as the row ``index_put_`` or slower.
 
 The slot mapping is checked (range) before any index is built: the row views alias
 memory outside the blocks a bad slot would name, so indexing alone would not catch it.
@@ -18,21 +36,12 @@ memory outside the blocks a bad slot would name, so indexing alone would not cat
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kvmesh.gpu_ext.layout import KVKind, PagedKVViews
-
-# Reinterpretation types by byte width; complex128 is the only 16-byte torch dtype and
-# index_put_ copies it as two 8-byte words, bit for bit.
-_WIDE_DTYPES = {
-    16: torch.complex128,
-    8: torch.int64,
-    4: torch.int32,
-    2: torch.int16,
-    1: torch.uint8,
-}
+from kvmesh.gpu_ext.layout import KVKind, PagedKVViews, widest_view, widest_width
 
 
 @dataclass(frozen=True)
@@ -99,18 +108,36 @@ def check_call(
     return CopyCall(slots, chunk, layers, layer_buffer, start, end)
 
 
-def chunk_rows(views: PagedKVViews, call: CopyCall) -> torch.Tensor:
-    """The chunk region a call moves, as ``[kv, layers, tokens * rows_per_token, row_len]``.
+def chunk_rows(views: PagedKVViews, call: CopyCall, start: int | None = None) -> torch.Tensor:
+    """The chunk region a call moves (from token ``start``, by default the call's own) as
+    ``[kv, layers, tokens * rows_per_token, row_len]``.
 
     A view: writing to it writes the caller's buffer.
     """
-    buf = call.chunk
-    if views.layout.kind is KVKind.MLA:
-        buf = buf.unsqueeze(0)
-    layers = slice(call.layers.start, call.layers.stop)
-    buf = buf.unsqueeze(1) if call.layer_buffer else buf[:, layers]
-    buf = buf[:, :, call.start : call.end]
+    buf = _chunk_layers(views, call)
+    buf = buf[:, :, call.start if start is None else start : call.end]
     return buf.view(*buf.shape[:2], -1, views.row_len)
+
+
+def whole_blocks(views: PagedKVViews, slots: torch.Tensor) -> torch.Tensor | None:
+    """Block ids for the leading ``len(slots) // block_size`` blocks' worth of tokens,
+    when each group of ``block_size`` slots is one block's slots in order (slot = block *
+    block_size + offset, offset 0, 1, ...); otherwise (or with no full group) None.
+
+    The caller has checked that every slot is in range.
+    """
+    bs = views.layout.block_size
+    count = slots.numel() // bs
+    if not count:
+        return None
+    if bs == 1:
+        return slots
+    head = (slots if count * bs == slots.numel() else slots[: count * bs]).view(count, bs)
+    blocks = head[:, 0].div(bs, rounding_mode="floor")
+    # One comparison checks both that each group starts a block and that it runs in order.
+    if not torch.equal(head, torch.add(views.block_offsets, blocks.view(count, 1), alpha=bs)):
+        return None
+    return blocks
 
 
 def gather_to_chunk(
@@ -129,10 +156,23 @@ def gather_to_chunk(
     (``layout.layer_chunk_shape``). Token ``start + i`` receives slot ``slot_mapping[i]``.
     """
     call = check_call(views, slot_mapping, out_chunk, layer, start, end)
-    if not call.slots.numel():
+    slots = call.slots
+    if not slots.numel():
         return
-    index = views.row_index(call.slots)
-    rows = chunk_rows(views, call)
+    first = call.start
+    blocks = whole_blocks(views, slots)
+    if blocks is not None:
+        cache, chunk = _block_views(views, call, blocks.numel())
+        for i, out in zip(call.layers, chunk.unbind(0), strict=True):
+            # Per block: the layer's [block_size, kv, heads, dim] slice, strided on one
+            # side or both, copied with a vectorised inner loop over dim.
+            torch.index_select(cache[i], 0, blocks, out=out)
+        done = blocks.numel() * views.layout.block_size
+        if done == slots.numel():
+            return
+        slots, first = slots[done:], first + done
+    index = views.row_index(slots)
+    rows = chunk_rows(views, call, first)
     for j, i in enumerate(call.layers):
         for kv in range(index.shape[0]):
             # The contiguous memcpy path of index_select: rows are contiguous on both sides.
@@ -157,30 +197,43 @@ def scatter_from_chunk(
         return
     index = views.row_index(call.slots)
     rows = chunk_rows(views, call)
-    wide = _widest_dtype(views.rows[0], rows)
-    if wide is not None:
-        rows = rows.view(wide)
+    cache = views.wide_rows
+    width = widest_width(rows, cache[0].element_size())
+    if width != cache[0].element_size():  # the buffer is less aligned than the cache
+        cache = tuple(widest_view(t, width) for t in views.rows)
+    rows = widest_view(rows, width)
     for j, i in enumerate(call.layers):
-        dst = views.rows[i] if wide is None else views.rows[i].view(wide)
         # K and V in one op: twice the elements, so the kernel splits across threads.
-        dst.index_put_((index,), rows[:, j])
+        cache[i].index_put_((index,), rows[:, j])
 
 
-def _widest_dtype(rows: torch.Tensor, chunk: torch.Tensor) -> torch.dtype | None:
-    """The widest same-bits dtype both row views can be reinterpreted as, if wider."""
-    size = rows.element_size()
-    if rows.stride(-1) != 1 or chunk.stride(-1) != 1:
-        return None
-    quantities = (
-        rows.shape[-1] * size,
-        rows.storage_offset() * size,
-        chunk.storage_offset() * size,
-        *(stride * size for stride in rows.stride()[:-1]),
-        *(stride * size for stride in chunk.stride()[:-1]),
-    )
-    for width, dtype in _WIDE_DTYPES.items():
-        if width <= size:
-            return None
-        if all(q % width == 0 for q in quantities):
-            return dtype
-    return None
+def _chunk_layers(views: PagedKVViews, call: CopyCall) -> torch.Tensor:
+    """The call's buffer as ``[kv, layers, tokens, hidden]`` over the layers it moves."""
+    buf = call.chunk
+    if views.layout.kind is KVKind.MLA:
+        buf = buf.unsqueeze(0)
+    if call.layer_buffer:
+        return buf.unsqueeze(1)
+    if len(call.layers) == views.layout.num_layers:
+        return buf
+    return buf[:, call.layers.start : call.layers.stop]
+
+
+def _block_views(
+    views: PagedKVViews, call: CopyCall, count: int
+) -> tuple[Sequence[torch.Tensor], torch.Tensor]:
+    """(per-layer canonical cache views, the call's first ``count`` blocks of tokens as
+    ``[layers, count, block_size, kv, heads, head_dim]``), at one common width."""
+    lay = views.layout
+    buf = _chunk_layers(views, call)
+    stop = call.start + count * lay.block_size
+    if call.start or stop != buf.shape[2]:
+        buf = buf[:, :, call.start : stop]
+    kv, layers = buf.shape[:2]
+    buf = buf.view(kv, layers, count, lay.block_size, lay.kv_heads, lay.head_dim)
+    buf = buf.permute(1, 2, 3, 0, 4, 5)
+    cache = views.wide_layers
+    width = widest_width(buf, cache[0].element_size())
+    if width != cache[0].element_size():  # the buffer is less aligned than the cache
+        cache = tuple(widest_view(t, width) for t in views.layers)
+    return cache, widest_view(buf, width)

@@ -13,7 +13,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from kvmesh.gpu_ext import KVCopier, make_copier
+from kvmesh.gpu_ext import KVCopier, make_copier, torch_ops
 from kvmesh.gpu_ext.layout import VLLM_LAYOUT_NAMES, KVKind
 from kvmesh.gpu_ext.triton_ops import unavailable_reason
 
@@ -265,3 +265,114 @@ def test_triton_token_range_and_padding_slots() -> None:
     written = slot_tokens(fresh_layers, kind)
     assert torch.equal(bits(written[:, [5, 17, 2]]), bits(slot_tokens(layers, kind)[:, [5, 17, 2]]))
     assert int(bits(written).ne(0).sum()) == int(bits(written[:, [5, 17, 2]]).ne(0).sum())
+
+
+# -- whole-block slot mappings: the torch path moves blocks instead of rows --------------
+
+
+def whole_block_slots(blocks: torch.Tensor, tail: int = 0) -> torch.Tensor:
+    """vLLM's mapping: each block's slots in order, then the first `tail` slots of one more."""
+    full = (blocks[:-1].view(-1, 1) * N + torch.arange(N)).view(-1)
+    return torch.cat([full, blocks[-1] * N + torch.arange(tail)])
+
+
+def gather_by_rows(copier: KVCopier, slots: torch.Tensor, mode: str) -> torch.Tensor:
+    """What the row path gathers, whatever the mapping."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch_ops, "whole_blocks", lambda views, slots: None)
+        return gather(copier, slots, mode)
+
+
+@pytest.mark.parametrize("tail", [0, 3], ids=["whole", "tail"])
+@pytest.mark.parametrize("mode", ["all", "layer", "layer-in-chunk"])
+@pytest.mark.parametrize("spec", SPECS)
+def test_whole_block_gather_matches_rows_bit_for_bit(spec: str, mode: str, tail: int) -> None:
+    engine_view, layers, kind = make_cache(spec, torch.float16, random=True)
+    copier = make_copier(engine_view, backend="torch")
+    slots = whole_block_slots(torch.randperm(B)[:6], tail)
+    assert torch.equal(torch_ops.whole_blocks(copier.views, slots), slots[: 5 * N : N] // N)
+
+    chunk = gather(copier, slots, mode)
+    assert torch.equal(bits(chunk), bits(as_chunk(slot_tokens(layers, kind)[:, slots], kind)))
+    assert torch.equal(bits(chunk), bits(gather_by_rows(copier, slots, mode)))
+
+    fresh_view, fresh_layers, _ = make_cache(spec, torch.float16, random=False)
+    scatter(make_copier(fresh_view, backend="torch"), slots, chunk, mode)
+    written = slot_tokens(fresh_layers, kind)
+    assert torch.equal(bits(written[:, slots]), bits(slot_tokens(layers, kind)[:, slots]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spec", ["cpu", "BLNHC-cross", "split", "mla-cross"])
+def test_whole_block_gather_every_dtype_and_token_range(spec: str, dtype: torch.dtype) -> None:
+    engine_view, layers, kind = make_cache(spec, dtype, random=True)
+    copier = make_copier(engine_view, backend="torch")
+    slots = whole_block_slots(torch.randperm(B)[:4], 2)  # 3 whole blocks, then 2 tokens
+    chunk = torch.zeros(copier.layout.chunk_shape(20), dtype=dtype)
+    copier.gather(slots, chunk, start=4, end=4 + len(slots))
+    expect = torch.zeros_like(chunk)
+    expect[..., 4 : 4 + len(slots), :] = as_chunk(slot_tokens(layers, kind)[:, slots], kind)
+    assert torch.equal(bits(chunk), bits(expect))
+
+
+@pytest.mark.parametrize(
+    "slots",
+    [
+        [N + 1, N + 2, N + 3, 2 * N],  # a run that starts inside a block
+        [N + 3, N + 2, N + 1, N],  # one block, backwards
+        [0, 1, 2, 4],  # a block's first slots, then the next block's
+        [2 * N, 2 * N + 1, 2 * N + 2, 2 * N + 2],  # a slot twice (gather reads it twice)
+        [N, N + 1, N + 2],  # shorter than a block
+    ],
+    ids=["offset", "backwards", "gap", "repeat", "short"],
+)
+def test_mappings_that_are_not_whole_blocks_go_by_rows(slots: list[int]) -> None:
+    engine_view, layers, kind = make_cache("cpu", torch.float16, random=True)
+    copier = make_copier(engine_view, backend="torch")
+    index = torch.tensor(slots)
+    assert torch_ops.whole_blocks(copier.views, index) is None
+    chunk = gather(copier, index, "all")
+    assert torch.equal(bits(chunk), bits(as_chunk(slot_tokens(layers, kind)[:, index], kind)))
+
+
+def test_block_size_one_is_always_whole_blocks() -> None:
+    layers = [torch.zeros(B * N, H, 1, 2 * D, dtype=torch.float16) for _ in range(L)]
+    for t in layers:
+        random_fill(t)
+    copier = make_copier(layers, backend="torch")
+    slots = torch.randperm(B * N)[:TOKENS]
+    assert torch_ops.whole_blocks(copier.views, slots) is slots
+    chunk = gather(copier, slots, "all")
+    want = [t[slots, :, 0].unflatten(-1, (2, D)).permute(2, 0, 1, 3) for t in layers]
+    assert torch.equal(bits(chunk), bits(torch.stack(want, 1).flatten(-2)))
+
+
+@pytest.mark.parametrize("spec", ["cpu", "LHBNC-cross", "mla"])
+def test_unaligned_buffers_copy_at_a_narrower_width(spec: str) -> None:
+    # A buffer one element into its storage cannot be viewed as int64 (or complex128)
+    # like the cache: both sides fall back to a width the buffer allows.
+    engine_view, layers, kind = make_cache(spec, torch.float16, random=True)
+    copier = make_copier(engine_view, backend="torch")
+    assert copier.views.wide_layers[0].element_size() == 8
+    assert copier.views.wide_rows[0].element_size() == 16
+    shape = copier.layout.chunk_shape(TOKENS + 1)
+    storage = torch.zeros(1 + torch.Size(shape).numel(), dtype=torch.float16)
+    chunk = storage[1:].view(shape)
+    slots = whole_block_slots(torch.randperm(B)[:4], 1)
+    copier.gather(slots, chunk, end=len(slots))
+    source = slot_tokens(layers, kind)
+    assert torch.equal(bits(chunk[..., : len(slots), :]), bits(as_chunk(source[:, slots], kind)))
+
+    fresh_view, fresh_layers, _ = make_cache(spec, torch.float16, random=False)
+    make_copier(fresh_view, backend="torch").scatter(slots, chunk)
+    assert torch.equal(bits(slot_tokens(fresh_layers, kind)[:, slots]), bits(source[:, slots]))
+
+
+def test_out_of_range_whole_blocks_are_rejected_before_any_copy() -> None:
+    engine_view, _, _ = make_cache("cpu", torch.float16, random=True)
+    copier = make_copier(engine_view, backend="torch")
+    slots = whole_block_slots(torch.tensor([1, B, 0]))  # block B does not exist
+    chunk = torch.zeros(copier.layout.chunk_shape(len(slots)), dtype=torch.float16)
+    with pytest.raises(ValueError, match="outside"):
+        copier.gather(slots, chunk)
+    assert not chunk.any()
