@@ -1,0 +1,795 @@
+"""L3: chunks in one local directory, one self-describing file per chunk.
+
+- **Format** (disk_format.py): a 4 KiB header (magic, version, full key, shape, dtype,
+  memory format, payload length, xxh3 of the payload and of the header), then the
+  payload. Files are named by the key's hash, never by a user string.
+- **Writes** go to a temporary name and are renamed into place, so a crash never
+  leaves a half-written file under a real name; O_DIRECT when buffer and length are
+  aligned (disk_io.py). `submit_put` never blocks: it takes a reference on the source
+  object, held until its write ends, and queues the write on a priority pool of
+  `io_threads` threads (disk_executor.py: reads before deletes before puts). A key
+  already here or being written is not written again. When a put would exceed
+  `max_size`, the eviction policy picks unpinned, unread chunks to delete first; if
+  they do not make room, the put is dropped.
+- **Reads** run on the same pool (`aget` awaits them without blocking the event loop);
+  the file's header must match the index (key, shape, dtype, format, length) and the
+  payload its checksum. A file that fails is deleted, counted in
+  `kvmesh_disk_corrupt_total`, and the read is a miss: never wrong bytes.
+- **Index**: a dict under a lock that is never held across I/O. An entry is WRITING
+  (its file is not readable yet), READY, or DELETING (gone for lookups; the file is
+  being removed). A key stays in the index until its file is gone, so two writes or a
+  write and a delete of the same file never overlap.
+- **Restart**: each tier owns its directory (an flock on `.lock`; a second tier on the
+  same directory stays degraded until the first lets go). On start a background thread
+  re-indexes the directory from the headers (disk_scan.py), oldest file first: lookups
+  miss until a file is indexed, temporary and failing files are deleted, the maximum
+  size is enforced, and progress is logged.
+- **Degraded mode**: a write that fails (disk full, read-only filesystem, directory
+  gone, any I/O error) logs once and marks the tier degraded: puts are dropped (reads
+  go on where files are still readable) until `retry_s` later, when one put is let
+  through as a probe; its success ends the degraded state. No error reaches the caller.
+
+Durability: files are not fsynced. A process crash (kill -9) loses only writes in
+flight, which stay temporary files; after a power loss a renamed file may hold stale
+blocks, which the checksum catches on read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import errno
+import fcntl
+import os
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+
+import torch
+
+from kvmesh.common.keys import ChunkKey
+from kvmesh.common.memory import MemoryFormat, MemoryObj
+from kvmesh.common.observability import Metrics, get_logger
+from kvmesh.common.policy import make_policy
+from kvmesh.services.worker.tiers.base import Allocator
+from kvmesh.services.worker.tiers.disk_executor import Priority, PriorityExecutor
+from kvmesh.services.worker.tiers.disk_format import (
+    HEADER_SIZE,
+    ChunkHeader,
+    HeaderError,
+    chunk_file_name,
+    key_of_file_name,
+    pack_header,
+    parse_header,
+    payload_checksum,
+    temp_file_name,
+)
+from kvmesh.services.worker.tiers.disk_io import header_buffer, obj_view, read_file, write_file
+from kvmesh.services.worker.tiers.disk_scan import LOCK_FILE, ScannedFile, check_file, list_dir
+from kvmesh.services.worker.tiers.disk_stats import DiskStats
+
+log = get_logger(__name__)
+
+REINDEX_BATCH = 1024
+PROGRESS_EVERY_S = 1.0
+
+
+class _State(IntEnum):
+    WRITING = 0
+    READY = 1
+    DELETING = 2
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    state: _State
+    size: int  # bytes of the file: header + payload
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fmt: MemoryFormat
+    pins: int = 0
+    readers: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.size - HEADER_SIZE
+
+
+class DiskTier:
+    """The L3 tier over one directory; every method may be called from any thread."""
+
+    name = "disk"
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        max_size: int,
+        *,
+        io_threads: int = 4,
+        o_direct: bool = True,
+        eviction_policy: str = "lru",
+        retry_s: float = 30.0,
+        max_pending_puts: int = 256,
+        metrics: Metrics | None = None,
+    ) -> None:
+        if max_size <= 0:
+            raise ValueError(f"max_size must be > 0, got {max_size}")
+        self.path = str(Path(path))
+        self.max_size = int(max_size)
+        self.o_direct = o_direct
+        self.retry_s = retry_s
+        self.max_pending_puts = max_pending_puts
+        self.stats = DiskStats(metrics)
+        self.stats.capacity.set(self.max_size)
+        self._policy_name = eviction_policy
+        self._policy = make_policy(eviction_policy)
+        self._index: dict[ChunkKey, _Entry] = {}
+        self._lock = threading.Lock()
+        self._used = 0  # bytes of every entry, WRITING and DELETING included
+        self._ready = 0  # READY entries
+        self._pending_puts = 0
+        self._closed = False
+        # Temporary files carry this run's id, so the re-index leaves our own alone.
+        self._run_id = uuid.uuid4().hex[:12]
+        self._lock_fd: int | None = None
+        self._degraded: str | None = None
+        self._degraded_since = 0.0
+        self._retry_at = 0.0
+        self._probing = False
+        self._indexed = threading.Event()
+        self._stop = threading.Event()
+        self._reindex_thread: threading.Thread | None = None
+        self._exec = PriorityExecutor(io_threads, name="kvmesh-disk-io")
+        try:
+            self._acquire_dir()
+        except OSError as exc:
+            self._degrade(self._describe(exc, "open"))
+        else:
+            self._start_reindex()
+
+    # -- directory ownership and the re-index ---------------------------------------------
+    def _acquire_dir(self) -> None:
+        """Create the directory and take its lock; OSError if either is impossible."""
+        if self._lock_fd is not None:
+            if os.path.isdir(self.path):
+                return
+            # The directory vanished under us: the old lock guards nothing any more.
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        os.makedirs(self.path, exist_ok=True)
+        lock_path = os.path.join(self.path, LOCK_FILE)
+        # Held read-only: a file open for writing would keep the filesystem from being
+        # remounted read-only, and flock needs no write access.
+        fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OSError(errno.EBUSY, "directory in use by another kvmesh disk tier") from None
+        except OSError:
+            os.close(fd)
+            raise
+        with contextlib.suppress(OSError), open(lock_path, "w") as f:
+            f.write(f"{os.getpid()}\n")  # for people: who holds it
+        self._lock_fd = fd
+
+    def _start_reindex(self) -> None:
+        if self._reindex_thread is not None:
+            return
+        self._reindex_thread = threading.Thread(
+            target=self._reindex, name="kvmesh-disk-reindex", daemon=True
+        )
+        self._reindex_thread.start()
+
+    def _reindex(self) -> None:
+        try:
+            self._reindex_dir()
+        except Exception as exc:  # never leave waiters hanging, whatever failed
+            log.error("disk re-index failed", path=self.path, error=repr(exc))
+        finally:
+            self._indexed.set()
+
+    def _reindex_dir(self) -> None:
+        t0 = time.monotonic()
+        self.stats.reindex_seconds.set(0)
+        counts = {"kept": 0, "deleted": 0, "evicted": 0, "ignored": 0, "kept_bytes": 0}
+        try:
+            listing = list_dir(self.path, own_run_id=self._run_id)
+        except OSError as exc:
+            log.warning("disk re-index: directory unreadable", path=self.path, error=str(exc))
+            return
+        total = len(listing.chunks)
+        counts["ignored"] = len(listing.ignored)
+        log.info(
+            "disk re-index started",
+            path=self.path,
+            files=total,
+            temporary=len(listing.temps),
+            ignored=len(listing.ignored),
+        )
+        for name in listing.temps:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.path, name))
+                counts["deleted"] += 1
+                self.stats.scanned["deleted"].inc()
+        last_log = time.monotonic()
+        # Header reads wait on the device when the page cache is cold (after a reboot):
+        # several in flight at once hide that latency.
+        with concurrent.futures.ThreadPoolExecutor(
+            self._exec.threads, thread_name_prefix="kvmesh-disk-reindex"
+        ) as readers:
+            for start in range(0, total, REINDEX_BATCH):
+                if self._stop.is_set():
+                    break
+                part = listing.chunks[start : start + REINDEX_BATCH]
+                n = self._exec.threads
+                # One task per reader and batch: a task per file would cost more in
+                # hand-offs than the header read itself when the cache is warm.
+                slices = [part[i::n] for i in range(n)]
+                checked = list(readers.map(self._check_files, slices))
+                batch = sorted(
+                    (f for fs in checked for f in fs), key=lambda f: (f.mtime_ns, f.name)
+                )
+                if not self._index_batch(batch, counts):
+                    break
+                now = time.monotonic()
+                if now - last_log >= PROGRESS_EVERY_S:
+                    last_log = now
+                    log.info(
+                        "disk re-index progress",
+                        path=self.path,
+                        scanned=start + len(batch),
+                        files=total,
+                        **counts,
+                    )
+        self.stats.scanned["kept"].inc(counts["kept"])
+        elapsed = time.monotonic() - t0
+        self.stats.reindex_seconds.set(elapsed)
+        log.info(
+            "disk re-index done", path=self.path, files=total, seconds=round(elapsed, 3), **counts
+        )
+
+    def _check_files(self, entries: list[tuple[str, int, int]]) -> list[ScannedFile]:
+        return [check_file(self.path, *e) for e in entries]
+
+    def _index_batch(self, batch: list[ScannedFile], counts: dict[str, int]) -> bool:
+        """Index a batch of checked files (oldest first), delete the failing ones, evict
+        down to the maximum size. False once the tier is closed."""
+        bad: list[tuple[ChunkKey | None, _Entry | None, str, str]] = []
+        with self._lock:
+            if self._closed:
+                return False
+            for f in batch:
+                if f.ok:
+                    assert f.header is not None
+                    key, h = f.header.key, f.header
+                    if key in self._index:
+                        continue  # written again since the start: the new file counts
+                    self._index[key] = _Entry(_State.READY, f.size, h.shape, h.dtype, h.fmt)
+                    self._policy.on_insert(key)
+                    self._used += f.size
+                    self._ready += 1
+                    counts["kept"] += 1
+                    counts["kept_bytes"] += f.size
+                    continue
+                key = f.header.key if f.header is not None else key_of_file_name(f.name)
+                if key is not None and key in self._index:
+                    continue  # a fresh write owns that name now
+                holder = None
+                if key is not None:
+                    # A placeholder keeps puts of this key away while the file goes.
+                    holder = _Entry(_State.DELETING, 0, (), torch.uint8, MemoryFormat.BINARY)
+                    self._index[key] = holder
+                bad.append((key, holder, f.name, f.problem or ""))
+            victims = self._evict_to_fit_locked(0) or []
+        for key, holder, name, problem in bad:
+            log.info("disk re-index: deleting failing file", file=name, problem=problem)
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.path, name))
+            counts["deleted"] += 1
+            self.stats.scanned["deleted"].inc()
+            if key is not None and holder is not None:
+                self._forget(key, holder)
+        counts["evicted"] += len(victims)
+        self.stats.scanned["evicted"].inc(len(victims))
+        self._delete_async(victims)
+        self._update_gauges()
+        return True
+
+    def wait_indexed(self, timeout: float | None = None) -> bool:
+        """Block until the start's re-index finished (True) or timeout passed."""
+        return self._indexed.wait(timeout)
+
+    # -- eviction -------------------------------------------------------------------------
+    def _evictable(self, key: ChunkKey) -> bool:
+        e = self._index[key]
+        return e.state is _State.READY and e.pins == 0 and e.readers == 0
+
+    def _evict_to_fit_locked(self, incoming: int) -> list[tuple[ChunkKey, _Entry]] | None:
+        """Mark for deletion enough chunks that `incoming` more bytes fit; the victims,
+        or None (and nothing marked) if the evictable chunks are not enough."""
+        need = self._used + incoming - self.max_size
+        if need <= 0:
+            return []
+        chosen: list[ChunkKey] = []
+        freed = 0
+        for key in self._policy:
+            if self._evictable(key):
+                chosen.append(key)
+                freed += self._index[key].size
+                if freed >= need:
+                    break
+        if freed < need:
+            return None if incoming else self._mark_deleting_locked(chosen)
+        return self._mark_deleting_locked(chosen)
+
+    def _mark_deleting_locked(self, keys: Sequence[ChunkKey]) -> list[tuple[ChunkKey, _Entry]]:
+        out = []
+        for key in keys:
+            e = self._index[key]
+            if e.state is _State.READY:
+                self._policy.on_remove(key)
+                self._ready -= 1
+            e.state = _State.DELETING
+            out.append((key, e))
+        return out
+
+    def _delete_async(
+        self, victims: Sequence[tuple[ChunkKey, _Entry]] | None, evicted: bool = True
+    ) -> None:
+        for key, entry in victims or ():
+            if evicted:
+                self.stats.evictions.inc()
+            try:
+                self._exec.submit(Priority.DELETE, self._delete, key, entry)
+            except RuntimeError:  # shut down: delete inline
+                self._delete(key, entry)
+
+    def _delete(self, key: ChunkKey, entry: _Entry) -> None:
+        try:
+            os.unlink(self._file(key))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            self.stats.io_errors["delete"].inc()
+            log.debug("disk delete failed", key=key.to_str(), error=str(exc))
+        self._forget(key, entry)
+
+    def _forget(self, key: ChunkKey, entry: _Entry) -> None:
+        with self._lock:
+            if self._index.get(key) is entry:
+                del self._index[key]
+                self._used -= entry.size
+                if entry.state is _State.READY:
+                    self._policy.on_remove(key)
+                    self._ready -= 1
+        self._update_gauges()
+
+    # -- put --------------------------------------------------------------------------------
+    def submit_put(self, key: ChunkKey, obj: MemoryObj) -> None:
+        """Queue a copy of obj to disk; never blocks and never raises for I/O."""
+        size = HEADER_SIZE + obj.nbytes
+        probe = False
+        with self._lock:
+            if self._closed:
+                return
+            entry = self._index.get(key)
+            if entry is not None:
+                if entry.state is _State.READY:
+                    self._policy.on_access(key)
+                result = "duplicate"
+            elif self._degraded is not None and (
+                self._probing or time.monotonic() < self._retry_at
+            ):
+                result = "degraded"
+            elif self._pending_puts >= self.max_pending_puts:
+                result = "queue_full"
+            elif size > self.max_size or (victims := self._evict_to_fit_locked(size)) is None:
+                result = "no_space"
+            else:
+                result = ""
+                if self._degraded is not None:
+                    self._probing = probe = True
+                fmt = obj.fmt if isinstance(obj.fmt, MemoryFormat) else MemoryFormat.UNDEFINED
+                entry = _Entry(_State.WRITING, size, tuple(obj.shape), obj.dtype, fmt)
+                self._index[key] = entry
+                self._used += size
+                self._pending_puts += 1
+        if result:
+            self.stats.puts[result].inc()
+            return
+        obj.ref_up()  # held until the write ends
+        self._delete_async(victims)
+        try:
+            fut = self._exec.submit(Priority.PUT, self._write, key, entry, obj, probe)
+        except RuntimeError:  # closed meanwhile
+            self._put_abandoned(key, entry, obj, probe)
+            return
+        fut.add_done_callback(
+            lambda f: f.cancelled() and self._put_abandoned(key, entry, obj, probe)
+        )
+        self._update_gauges()
+
+    def _put_abandoned(self, key: ChunkKey, entry: _Entry, obj: MemoryObj, probe: bool) -> None:
+        """A queued put that will never run (shutdown): give everything back."""
+        obj.ref_down()
+        with self._lock:
+            self._pending_puts -= 1
+            if probe:
+                self._probing = False
+            if self._index.get(key) is entry:
+                del self._index[key]
+                self._used -= entry.size
+
+    def _write(self, key: ChunkKey, entry: _Entry, obj: MemoryObj, probe: bool) -> None:
+        final = self._file(key)
+        tmp = os.path.join(self.path, temp_file_name(key, self._run_id))
+        t0 = time.perf_counter()
+        try:
+            try:
+                if probe:
+                    self._acquire_dir()
+                payload = obj_view(obj)
+                header = ChunkHeader(
+                    key,
+                    tuple(obj.shape),
+                    obj.dtype,
+                    entry.fmt,
+                    obj.nbytes,
+                    payload_checksum(payload),
+                    time.time_ns(),
+                )
+                hdr = header_buffer()
+                pack_header(header, hdr)
+                write_file(tmp, [hdr, payload], self.o_direct)
+            finally:
+                obj.ref_down()  # the source buffer is free once the bytes are out
+            os.rename(tmp, final)
+        except Exception as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            self.stats.io_errors["write"].inc()
+            self.stats.puts["error"].inc()
+            with self._lock:
+                self._pending_puts -= 1
+                if self._index.get(key) is entry:
+                    del self._index[key]
+                    self._used -= entry.size
+                if probe:
+                    self._probing = False
+            if isinstance(exc, OSError):
+                self._degrade(self._describe(exc, "write"))
+            else:  # this chunk cannot be written (not the disk's fault)
+                log.warning("disk put failed", key=key.to_str(), error=repr(exc))
+            self._update_gauges()
+            return
+        self.stats.io_seconds["write"].observe(time.perf_counter() - t0)
+        self.stats.bytes_written.inc(entry.size)
+        self.stats.puts["written"].inc()
+        removed = False
+        with self._lock:
+            self._pending_puts -= 1
+            if probe:
+                self._probing = False
+            if entry.state is _State.DELETING:
+                removed = True  # removed while it was being written
+            elif self._index.get(key) is entry:
+                entry.state = _State.READY
+                self._policy.on_insert(key)
+                self._ready += 1
+        if removed:
+            self._delete(key, entry)
+        if probe:
+            self._recover()
+        if self._reindex_thread is None:
+            self._start_reindex()  # the directory became usable after a failed start
+        self._update_gauges()
+
+    # -- degraded mode ----------------------------------------------------------------------
+    def _describe(self, exc: BaseException, op: str) -> str:
+        if isinstance(exc, OSError) and exc.errno is not None:
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR) and not os.path.isdir(self.path):
+                return "directory vanished"
+            name = errno.errorcode.get(exc.errno, str(exc.errno))
+            return f"{op} failed: {name} ({exc.strerror})"
+        return f"{op} failed: {exc!r}"
+
+    def _degrade(self, reason: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            first = self._degraded is None
+            self._degraded = reason
+            if first:
+                self._degraded_since = now
+            self._retry_at = now + self.retry_s
+            lost: list[tuple[ChunkKey, _Entry]] = []
+            if reason == "directory vanished":
+                # Every file is gone with it: forget them.
+                lost = [(k, e) for k, e in self._index.items() if e.state is _State.READY]
+                for key, _e in lost:
+                    del self._index[key]
+                    self._policy.on_remove(key)
+                    self._used -= _e.size
+                self._ready -= len(lost)
+        self.stats.degraded.set(1)
+        if first:
+            log.warning(
+                "disk tier degraded: puts are skipped, the engine serves from other tiers",
+                path=self.path,
+                reason=reason,
+                retry_s=self.retry_s,
+                forgotten_chunks=len(lost),
+            )
+        else:
+            log.debug("disk tier still degraded", path=self.path, reason=reason)
+
+    def _recover(self) -> None:
+        with self._lock:
+            reason, self._degraded = self._degraded, None
+        if reason is not None:
+            self.stats.degraded.set(0)
+            log.info(
+                "disk tier recovered",
+                path=self.path,
+                was=reason,
+                after_s=round(time.monotonic() - self._degraded_since, 1),
+            )
+
+    @property
+    def degraded(self) -> str | None:
+        """Why the tier is degraded, or None when it is healthy."""
+        return self._degraded
+
+    # -- get --------------------------------------------------------------------------------
+    def _submit_read(self, key: ChunkKey, allocator: Allocator) -> concurrent.futures.Future | None:
+        with self._lock:
+            if self._closed:
+                return None
+            entry = self._index.get(key)
+            if entry is None or entry.state is not _State.READY:
+                entry = None
+            else:
+                entry.readers += 1
+                self._policy.on_access(key)
+        if entry is None:
+            self.stats.gets["miss"].inc()
+            return None
+        try:
+            fut = self._exec.submit(Priority.PREFETCH, self._read, key, entry, allocator)
+        except RuntimeError:
+            self._end_read(entry)
+            return None
+        fut.add_done_callback(lambda _f: self._end_read(entry))
+        return fut
+
+    def _end_read(self, entry: _Entry) -> None:
+        with self._lock:
+            entry.readers -= 1
+
+    def get(self, key: ChunkKey, allocator: Allocator) -> MemoryObj | None:
+        fut = self._submit_read(key, allocator)
+        if fut is None:
+            return None
+        try:
+            return fut.result()
+        except concurrent.futures.CancelledError:
+            return None
+
+    async def aget(self, key: ChunkKey, allocator: Allocator) -> MemoryObj | None:
+        """The chunk read on the I/O pool; the event loop only awaits."""
+        fut = self._submit_read(key, allocator)
+        if fut is None:
+            return None
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            # The read may still finish: its buffer must go back to the allocator.
+            fut.add_done_callback(_drop_result)
+            raise
+        except concurrent.futures.CancelledError:
+            return None
+
+    def _read(self, key: ChunkKey, entry: _Entry, allocator: Allocator) -> MemoryObj | None:
+        try:
+            return self._read_verified(key, entry, allocator)
+        except Exception as exc:  # a failing read is a miss, whatever went wrong
+            self.stats.gets["error"].inc()
+            log.warning("disk read failed", key=key.to_str(), error=repr(exc))
+            return None
+
+    def _read_verified(
+        self, key: ChunkKey, entry: _Entry, allocator: Allocator
+    ) -> MemoryObj | None:
+        try:
+            obj = allocator.allocate(torch.Size(entry.shape), entry.dtype, entry.fmt)
+        except Exception as exc:
+            log.debug("disk read skipped: no buffer", key=key.to_str(), error=str(exc))
+            obj = None
+        if obj is None:
+            self.stats.gets["miss"].inc()
+            return None
+        t0 = time.perf_counter()
+        hdr = header_buffer()
+        try:
+            payload = obj_view(obj)
+            n = read_file(self._file(key), [hdr, payload], self.o_direct)
+        except OSError as exc:
+            obj.ref_down()
+            self.stats.io_errors["read"].inc()
+            self.stats.gets["error"].inc()
+            self._read_failed(key, entry, exc)
+            return None
+        try:
+            problem = self._verify(key, entry, hdr, payload, n)
+        except BaseException:
+            obj.ref_down()
+            raise
+        if problem is not None:
+            obj.ref_down()
+            self._corrupt(key, entry, problem)
+            return None
+        obj.key = key
+        self.stats.io_seconds["read"].observe(time.perf_counter() - t0)
+        self.stats.bytes_read.inc(n)
+        self.stats.gets["hit"].inc()
+        return obj
+
+    def _verify(
+        self, key: ChunkKey, entry: _Entry, hdr: memoryview, payload: memoryview, n: int
+    ) -> str | None:
+        if n != entry.size:
+            return f"file holds {n} bytes, expected {entry.size}"
+        try:
+            header = parse_header(hdr)
+        except HeaderError as exc:
+            return f"bad header: {exc}"
+        if header.key != key:
+            return "header names another key"
+        if (header.shape, header.dtype, header.fmt, header.payload_len) != (
+            entry.shape,
+            entry.dtype,
+            entry.fmt,
+            entry.nbytes,
+        ):
+            return "header does not match the index (shape, dtype, format or length)"
+        if payload_checksum(payload) != header.checksum:
+            return "payload checksum mismatch"
+        return None
+
+    def _corrupt(self, key: ChunkKey, entry: _Entry, problem: str) -> None:
+        self.stats.corrupt.inc()
+        self.stats.gets["miss"].inc()
+        log.warning("corrupt disk chunk deleted", key=key.to_str(), problem=problem)
+        with self._lock:
+            if self._index.get(key) is not entry or entry.state is not _State.READY:
+                return
+            self._mark_deleting_locked([key])
+        self._delete(key, entry)
+
+    def _read_failed(self, key: ChunkKey, entry: _Entry, exc: OSError) -> None:
+        reason = self._describe(exc, "read")
+        if reason == "directory vanished":
+            self._degrade(reason)
+            return
+        log.warning("disk read failed: chunk dropped", key=key.to_str(), error=reason)
+        with self._lock:
+            if self._index.get(key) is not entry or entry.state is not _State.READY:
+                return
+            self._mark_deleting_locked([key])
+        self._delete(key, entry)
+
+    # -- lookups, pins, management ----------------------------------------------------------
+    def contains(self, key: ChunkKey, pin: bool = False) -> bool:
+        with self._lock:
+            e = self._index.get(key)
+            if e is None or e.state is not _State.READY:
+                return False
+            if pin:
+                e.pins += 1
+            return True
+
+    def batched_contains(self, keys: Sequence[ChunkKey], pin: bool = False) -> int:
+        n = 0
+        with self._lock:
+            index = self._index
+            for key in keys:
+                e = index.get(key)
+                if e is None or e.state is not _State.READY:
+                    break
+                if pin:
+                    e.pins += 1
+                n += 1
+        return n
+
+    def pin(self, key: ChunkKey) -> bool:
+        return self.contains(key, pin=True)
+
+    def unpin(self, key: ChunkKey) -> bool:
+        with self._lock:
+            e = self._index.get(key)
+            if e is None or e.pins == 0:
+                return False
+            e.pins -= 1
+            return True
+
+    def touch(self, key: ChunkKey) -> None:
+        with self._lock:
+            e = self._index.get(key)
+            if e is not None and e.state is _State.READY:
+                self._policy.on_access(key)
+
+    def remove(self, key: ChunkKey, force: bool = False) -> bool:
+        """Delete the chunk unless it is pinned (or force); True if it was here."""
+        with self._lock:
+            e = self._index.get(key)
+            if e is None or e.state is _State.DELETING or (e.pins and not force):
+                return False
+            writing = e.state is _State.WRITING
+            self._mark_deleting_locked([key])
+        if not writing:  # a write in flight deletes its own file when it ends
+            self._delete_async([(key, e)], evicted=False)
+        return True
+
+    def clear(self) -> int:
+        with self._lock:
+            keys = [
+                k for k, e in self._index.items() if e.state is not _State.DELETING and not e.pins
+            ]
+        return sum(self.remove(k) for k in keys)
+
+    def keys(self) -> list[ChunkKey]:
+        with self._lock:
+            return [k for k, e in self._index.items() if e.state is _State.READY]
+
+    def __len__(self) -> int:
+        return self._ready
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued put and delete has ended (tests, benchmarks, close)."""
+        return self._exec.wait_idle(timeout)
+
+    def _file(self, key: ChunkKey) -> str:
+        return os.path.join(self.path, chunk_file_name(key))
+
+    def _update_gauges(self) -> None:
+        s = self.stats
+        s.usage.set(self._used)
+        s.chunks.set(self._ready)
+        s.pending_puts.set(self._pending_puts)
+
+    def close(self) -> None:
+        """Stop the re-index, drop queued reads and puts, finish deletes, let go of the
+        directory. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
+        if self._reindex_thread is not None:
+            self._reindex_thread.join(30)
+        self._exec.shutdown(cancel=(Priority.PREFETCH, Priority.PUT))
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+        with self._lock:
+            self._index.clear()
+            self._policy = make_policy(self._policy_name)
+            self._used = self._ready = 0
+        log.info("disk tier closed", path=self.path)
+
+
+def _drop_result(fut: concurrent.futures.Future) -> None:
+    if fut.cancelled() or fut.exception() is not None:
+        return
+    obj = fut.result()
+    if obj is not None:
+        obj.ref_down()

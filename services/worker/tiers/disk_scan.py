@@ -1,0 +1,138 @@
+"""Reading a disk tier's directory: which files a start keeps, deletes or leaves alone.
+
+Shared by the tier's background re-index and `kvmesh disk scan`, so the command shows
+exactly what a start would do. A directory holds:
+
+- chunk files (`<key>.kv`): kept when their header is valid, names the same key as the
+  file name and the file is exactly header + payload long; otherwise deleted;
+- temporary files (`.<key>.<run>.tmp`): a write that never finished (the process died
+  mid-write); deleted, except the running tier's own;
+- anything else (the `.lock` file, files a person put there): left alone.
+
+Files are considered oldest first (by modification time, which the rename into place
+does not change), so the eviction order after a restart follows the write order, and
+when the kept files exceed the maximum size the oldest go first (the newest for MRU).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvmesh.services.worker.tiers.disk_format import (
+    HEADER_SIZE,
+    ChunkHeader,
+    HeaderError,
+    is_temp_file_name,
+    key_of_file_name,
+    parse_header,
+    payload_checksum,
+)
+
+LOCK_FILE = ".lock"
+
+
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """A directory's files sorted by kind; chunk files oldest first."""
+
+    chunks: list[tuple[str, int, int]]  # (name, size, mtime_ns)
+    temps: list[str]
+    ignored: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class ScannedFile:
+    name: str
+    size: int
+    mtime_ns: int
+    header: ChunkHeader | None
+    problem: str | None  # why a start deletes the file; None when it is kept
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+
+def list_dir(path: str, own_run_id: str | None = None) -> Listing:
+    """One pass over path (one stat per chunk file). Temporary files of own_run_id
+    (the running tier's writes in flight) are neither listed nor deleted."""
+    chunks: list[tuple[str, int, int]] = []
+    temps: list[str] = []
+    ignored: list[str] = []
+    own_suffix = f".{own_run_id}.tmp" if own_run_id else None
+    with os.scandir(path) as it:
+        for entry in it:
+            name = entry.name
+            if is_temp_file_name(name):
+                if own_suffix is None or not name.endswith(own_suffix):
+                    temps.append(name)
+                continue
+            if key_of_file_name(name) is None:
+                if name != LOCK_FILE:
+                    ignored.append(name)
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if not entry.is_file(follow_symlinks=False):
+                ignored.append(name)
+                continue
+            chunks.append((name, st.st_size, st.st_mtime_ns))
+    chunks.sort(key=lambda c: (c[2], c[0]))
+    return Listing(chunks, temps, ignored)
+
+
+def check_file(
+    path: str, name: str, size: int, mtime_ns: int, verify_payload: bool = False
+) -> ScannedFile:
+    """Read one chunk file's header (and with verify_payload its whole payload) and
+    say whether a start keeps it."""
+    full = os.path.join(path, name)
+    try:
+        fd = os.open(full, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return ScannedFile(name, size, mtime_ns, None, "vanished during the scan")
+    except OSError as exc:
+        return ScannedFile(name, size, mtime_ns, None, f"unreadable: {exc.strerror}")
+    try:
+        raw = os.pread(fd, HEADER_SIZE, 0)
+        size = os.fstat(fd).st_size
+        try:
+            header = parse_header(raw)
+        except HeaderError as exc:
+            return ScannedFile(name, size, mtime_ns, None, f"bad header: {exc}")
+        problem = None
+        if key_of_file_name(name) != header.key:
+            problem = "header names another key than the file name"
+        elif size != header.file_size:
+            problem = f"size {size} != header + payload {header.file_size}"
+        elif verify_payload:
+            payload = os.pread(fd, header.payload_len, HEADER_SIZE)
+            if len(payload) != header.payload_len or payload_checksum(payload) != header.checksum:
+                problem = "payload checksum mismatch"
+        return ScannedFile(name, size, mtime_ns, header, problem)
+    except OSError as exc:
+        return ScannedFile(name, size, mtime_ns, None, f"unreadable: {exc.strerror}")
+    finally:
+        os.close(fd)
+
+
+def plan_eviction(
+    kept: Iterable[ScannedFile], max_size: int, policy: str = "lru"
+) -> tuple[list[ScannedFile], list[ScannedFile]]:
+    """Split kept files (oldest first) into (stay, evicted) so the stayers fit in
+    max_size, evicting in the order a freshly re-indexed tier would."""
+    files = list(kept)
+    total = sum(f.size for f in files)
+    order = list(reversed(files)) if policy.lower() == "mru" else list(files)
+    evicted: list[ScannedFile] = []
+    for f in order:
+        if total <= max_size:
+            break
+        evicted.append(f)
+        total -= f.size
+    gone = {id(f) for f in evicted}
+    return [f for f in files if id(f) not in gone], evicted

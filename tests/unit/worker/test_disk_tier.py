@@ -1,0 +1,513 @@
+"""DiskTier on its own: round trips, de-duplication, references, eviction, verified
+reads, restart and re-index, the directory lock, a vanished directory, and an event loop
+that is never blocked."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from kvtest.disk import MiB, chunk_files, expected_bytes, key_of, make_chunk, temp_files
+
+from kvmesh.common.memory import HostMemoryPool, MemoryFormat
+from kvmesh.common.observability import Metrics
+from kvmesh.services.worker.tiers import disk as disk_mod
+from kvmesh.services.worker.tiers.disk import DiskTier
+from kvmesh.services.worker.tiers.disk_executor import Priority
+from kvmesh.services.worker.tiers.disk_format import HEADER_SIZE, chunk_file_name, temp_file_name
+from kvmesh.services.worker.tiers.disk_scan import check_file, list_dir, plan_eviction
+
+KiB = 1024
+SIZE = 64 * KiB  # a 4 KiB multiple: O_DIRECT
+ODD = 64 * KiB - 100  # not one: buffered
+FILE = HEADER_SIZE + SIZE
+
+
+@pytest.fixture
+def pool() -> Iterator[HostMemoryPool]:
+    p = HostMemoryPool(8 * MiB, SIZE, pin_memory=False)
+    yield p
+    p.close()
+
+
+def new_tier(path: Path, max_size: int = 64 * MiB, **kw) -> DiskTier:
+    kw.setdefault("io_threads", 2)
+    tier = DiskTier(path, max_size, **kw)
+    assert tier.wait_indexed(10)
+    return tier
+
+
+@pytest.fixture
+def tier(tmp_path: Path) -> Iterator[DiskTier]:
+    t = new_tier(tmp_path / "d")
+    yield t
+    t.close()
+
+
+def put(tier: DiskTier, pool: HostMemoryPool, i: int, nbytes: int = SIZE) -> None:
+    obj = make_chunk(pool, i, nbytes)
+    tier.submit_put(key_of(i), obj)
+    obj.ref_down()  # the tier holds its own reference until the write ends
+
+
+def read_ok(tier: DiskTier, pool: HostMemoryPool, i: int, nbytes: int = SIZE) -> bool | None:
+    """None on a miss, else whether the bytes are exactly chunk i's."""
+    obj = tier.get(key_of(i), pool)
+    if obj is None:
+        return None
+    try:
+        return obj.nbytes == nbytes and torch.equal(obj.tensor, expected_bytes(i, nbytes))
+    finally:
+        obj.ref_down()
+
+
+def metric(t: DiskTier, name: str, **labels: str) -> float:
+    return t.stats.metrics.value(name, labels) or 0.0
+
+
+@pytest.mark.parametrize("o_direct", [True, False], ids=["direct", "buffered"])
+def test_round_trip_aligned_and_not(tmp_path: Path, pool: HostMemoryPool, o_direct: bool) -> None:
+    tier = new_tier(tmp_path / "d", o_direct=o_direct)
+    try:
+        put(tier, pool, 0, SIZE)
+        put(tier, pool, 1, ODD)
+        assert tier.flush(5)
+        assert (
+            len(tier) == 2
+            and tier.contains(key_of(0))
+            and tier.batched_contains([key_of(0), key_of(1), key_of(2)]) == 2
+        )
+        assert sorted(chunk_files(tmp_path / "d")) == sorted(
+            chunk_file_name(key_of(i)) for i in (0, 1)
+        )
+        assert os.path.getsize(tmp_path / "d" / chunk_file_name(key_of(1))) == HEADER_SIZE + ODD
+        assert read_ok(tier, pool, 0, SIZE) and read_ok(tier, pool, 1, ODD)
+        assert read_ok(tier, pool, 2) is None
+        assert pool.used_bytes == 0  # every buffer went back
+        assert tier.used_bytes == 2 * HEADER_SIZE + SIZE + ODD
+        assert metric(tier, "disk_gets_total", result="hit") == 2
+        assert metric(tier, "disk_gets_total", result="miss") == 1
+        assert metric(tier, "disk_puts_total", result="written") == 2
+        assert temp_files(tmp_path / "d") == []
+    finally:
+        tier.close()
+
+
+def test_aget_and_metadata_of_the_read(tier: DiskTier, pool: HostMemoryPool) -> None:
+    obj = pool.allocate((2, 4, 8, 128), torch.bfloat16, MemoryFormat.KV_2LTD)
+    assert obj is not None
+    obj.tensor.copy_(torch.randn(2, 4, 8, 128))
+    ref = obj.tensor.clone()
+    tier.submit_put(key_of(5), obj)
+    obj.ref_down()
+    tier.flush(5)
+
+    async def main():
+        return await tier.aget(key_of(5), pool)
+
+    got = asyncio.run(main())
+    assert got is not None
+    assert (tuple(got.shape), got.dtype, got.fmt, got.key) == (
+        (2, 4, 8, 128),
+        torch.bfloat16,
+        MemoryFormat.KV_2LTD,
+        key_of(5),
+    )
+    assert torch.equal(got.tensor.view(torch.int16), ref.view(torch.int16))
+    got.ref_down()
+
+
+def test_put_is_deduplicated(tier: DiskTier, pool: HostMemoryPool) -> None:
+    put(tier, pool, 0)
+    put(tier, pool, 0)  # while the first may still be in flight
+    tier.flush(5)
+    put(tier, pool, 0)  # and after
+    tier.flush(5)
+    assert metric(tier, "disk_puts_total", result="written") == 1
+    assert metric(tier, "disk_puts_total", result="duplicate") == 2
+    assert len(chunk_files(tier.path)) == 1
+
+
+def gate_all(tier: DiskTier, n: int) -> threading.Event:
+    """Occupy all n I/O threads until the returned event is set."""
+    gate = threading.Event()
+    started = threading.Barrier(n + 1)
+
+    def hold() -> None:
+        started.wait()
+        gate.wait(10)
+
+    for _ in range(n):
+        tier._exec.submit(Priority.PREFETCH, hold)
+    started.wait(5)
+    return gate
+
+
+def test_source_reference_is_held_until_the_write_ends(
+    tier: DiskTier, pool: HostMemoryPool
+) -> None:
+    gate = gate_all(tier, 2)
+    obj = make_chunk(pool, 0, SIZE)
+    tier.submit_put(key_of(0), obj)
+    assert obj.ref_count == 2  # the caller's and the tier's
+    assert not tier.contains(key_of(0))  # not readable before it is written
+    gate.set()
+    assert tier.flush(5)
+    assert obj.ref_count == 1
+    obj.ref_down()
+    assert pool.used_bytes == 0
+    assert read_ok(tier, pool, 0)
+
+
+def test_remove_while_writing_leaves_no_file(tier: DiskTier, pool: HostMemoryPool) -> None:
+    gate = gate_all(tier, 2)
+    put(tier, pool, 0)
+    assert tier.remove(key_of(0))
+    assert not tier.remove(key_of(0))
+    gate.set()
+    tier.flush(5)
+    assert chunk_files(tier.path) == [] and len(tier) == 0 and tier.used_bytes == 0
+    put(tier, pool, 0)  # the key can be written again afterwards
+    tier.flush(5)
+    assert read_ok(tier, pool, 0)
+
+
+def test_eviction_by_size_follows_the_policy(tmp_path: Path, pool: HostMemoryPool) -> None:
+    tier = new_tier(tmp_path / "d", max_size=3 * FILE)
+    try:
+        for i in range(3):
+            put(tier, pool, i)
+            tier.flush(5)
+        assert read_ok(tier, pool, 0)  # 0 is now the most recently used
+        put(tier, pool, 3)
+        tier.flush(5)
+        assert [tier.contains(key_of(i)) for i in range(4)] == [True, False, True, True]
+        assert sorted(chunk_files(tier.path)) == sorted(
+            chunk_file_name(key_of(i)) for i in (0, 2, 3)
+        )
+        assert tier.used_bytes == 3 * FILE
+        assert metric(tier, "evictions_total", tier="disk") == 1
+
+        # Pinned chunks are never evicted; with everything pinned a put is dropped.
+        assert tier.batched_contains([key_of(0), key_of(2), key_of(3)], pin=True) == 3
+        put(tier, pool, 4)
+        tier.flush(5)
+        assert not tier.contains(key_of(4))
+        assert metric(tier, "disk_puts_total", result="no_space") == 1
+        assert not tier.remove(key_of(0))  # pinned
+        assert tier.clear() == 0
+        for i in (0, 2, 3):
+            assert tier.unpin(key_of(i))
+        assert not tier.unpin(key_of(0))
+        put(tier, pool, 4)
+        tier.flush(5)
+        # LRU order was 2, 0, 3 (pins do not count as uses): 2 goes.
+        assert [tier.contains(key_of(i)) for i in (0, 2, 3, 4)] == [True, False, True, True]
+        assert tier.clear() == 3
+        tier.flush(5)
+        assert chunk_files(tier.path) == [] and tier.used_bytes == 0
+    finally:
+        tier.close()
+
+
+def test_chunk_larger_than_the_tier_is_dropped(tmp_path: Path, pool: HostMemoryPool) -> None:
+    tier = new_tier(tmp_path / "d", max_size=FILE - 1)
+    try:
+        put(tier, pool, 0)
+        tier.flush(5)
+        assert len(tier) == 0 and metric(tier, "disk_puts_total", result="no_space") == 1
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize(
+    "offset",
+    [40, 110, 130, HEADER_SIZE, HEADER_SIZE + SIZE // 2, HEADER_SIZE + SIZE - 1],
+    ids=["shape", "checksum", "key", "payload-first", "payload-middle", "payload-last"],
+)
+def test_flipped_byte_is_a_miss_never_wrong_data(
+    tier: DiskTier, pool: HostMemoryPool, offset: int
+) -> None:
+    put(tier, pool, 0)
+    put(tier, pool, 1)
+    tier.flush(5)
+    path = Path(tier.path) / chunk_file_name(key_of(0))
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+    assert read_ok(tier, pool, 0) is None
+    assert metric(tier, "disk_corrupt_total") == 1
+    assert not path.exists() and not tier.contains(key_of(0))
+    assert read_ok(tier, pool, 1)  # the other chunk is untouched
+    assert pool.used_bytes == 0
+
+
+def test_truncated_or_missing_file_is_a_miss(tier: DiskTier, pool: HostMemoryPool) -> None:
+    for i in range(2):
+        put(tier, pool, i)
+    tier.flush(5)
+    os.truncate(Path(tier.path) / chunk_file_name(key_of(0)), HEADER_SIZE + 10)
+    os.unlink(Path(tier.path) / chunk_file_name(key_of(1)))
+    assert read_ok(tier, pool, 0) is None and read_ok(tier, pool, 1) is None
+    assert metric(tier, "disk_corrupt_total") == 1  # the truncated one
+    assert len(tier) == 0 and tier.used_bytes == 0
+
+
+def test_restart_reindexes_and_serves_the_same_bytes(tmp_path: Path, pool: HostMemoryPool) -> None:
+    tier = new_tier(tmp_path / "d")
+    for i in range(6):
+        put(tier, pool, i, SIZE if i % 2 == 0 else ODD)
+    tier.flush(5)
+    tier.close()
+    assert not os.path.exists(tmp_path / "d" / ".lock") or True  # the lock file may stay
+
+    again = new_tier(tmp_path / "d")
+    try:
+        assert len(again) == 6 and again.used_bytes == 3 * (HEADER_SIZE + SIZE) + 3 * (
+            HEADER_SIZE + ODD
+        )
+        for i in range(6):
+            assert read_ok(again, pool, i, SIZE if i % 2 == 0 else ODD)
+        assert metric(again, "disk_reindex_files_total", result="kept") == 6
+    finally:
+        again.close()
+
+
+def test_restart_deletes_temporary_and_failing_files_and_enforces_max_size(
+    tmp_path: Path, pool: HostMemoryPool
+) -> None:
+    d = tmp_path / "d"
+    tier = new_tier(d)
+    for i in range(6):
+        put(tier, pool, i)
+        tier.flush(5)
+        os.utime(d / chunk_file_name(key_of(i)), ns=(10**18 + i * 10**9,) * 2)
+    tier.close()
+    (d / temp_file_name(key_of(20), "deadrun")).write_bytes(b"x" * 1000)
+    (d / chunk_file_name(key_of(21))).write_bytes(b"garbage" * 100)
+    (d / "README").write_text("not ours")
+    # What `kvmesh disk scan` predicts for a 4-chunk tier: the two oldest go.
+    listing = list_dir(str(d))
+    files = [check_file(str(d), *c) for c in listing.chunks]
+    _, evicted = plan_eviction([f for f in files if f.ok], 4 * FILE)
+    assert [f.header.key for f in evicted] == [key_of(0), key_of(1)]
+
+    again = new_tier(d, max_size=4 * FILE)
+    try:
+        again.flush(5)
+        assert [again.contains(key_of(i)) for i in range(6)] == [False] * 2 + [True] * 4
+        assert sorted(os.listdir(d)) == sorted(
+            [".lock", "README", *(chunk_file_name(key_of(i)) for i in range(2, 6))]
+        )
+        assert again.used_bytes == 4 * FILE
+        assert metric(again, "disk_reindex_files_total", result="deleted") == 2
+        assert metric(again, "disk_reindex_files_total", result="evicted") == 2
+    finally:
+        again.close()
+
+
+def test_lookups_miss_until_indexed_and_nothing_blocks(
+    tmp_path: Path, pool: HostMemoryPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = tmp_path / "d"
+    tier = new_tier(d)
+    for i in range(3):
+        put(tier, pool, i)
+    tier.flush(5)
+    tier.close()
+
+    gate = threading.Event()
+    real_check = disk_mod.check_file
+
+    def slow_check(*args, **kw):
+        gate.wait(10)
+        return real_check(*args, **kw)
+
+    monkeypatch.setattr(disk_mod, "check_file", slow_check)
+    t0 = time.monotonic()
+    again = DiskTier(d, 64 * MiB, io_threads=2)
+    try:
+        assert time.monotonic() - t0 < 1.0  # the constructor does not wait for the scan
+        assert not again.contains(key_of(0)) and read_ok(again, pool, 0) is None
+        put(again, pool, 7)  # puts work during the scan
+        again.flush(5)
+        assert read_ok(again, pool, 7)
+        gate.set()
+        assert again.wait_indexed(10)
+        assert all(read_ok(again, pool, i) for i in range(3))
+    finally:
+        gate.set()
+        again.close()
+
+
+def test_aget_never_blocks_the_event_loop(tier: DiskTier, pool: HostMemoryPool) -> None:
+    put(tier, pool, 0)
+    tier.flush(5)
+    gate = gate_all(tier, 2)
+
+    async def main() -> tuple[int, bool | None]:
+        ticks = 0
+        read = asyncio.ensure_future(tier.aget(key_of(0), pool))
+        threading.Timer(0.3, gate.set).start()
+        while not read.done():
+            await asyncio.sleep(0.01)
+            ticks += 1
+        obj = read.result()
+        ok = obj is not None and torch.equal(obj.tensor, expected_bytes(0, SIZE))
+        obj.ref_down()
+        return ticks, ok
+
+    ticks, ok = asyncio.run(main())
+    assert ok and ticks >= 10  # the loop kept turning while the read waited
+
+
+class BlockingAllocator:
+    """Allocates from a pool, first waiting on an event (runs on an I/O thread)."""
+
+    def __init__(self, pool: HostMemoryPool) -> None:
+        self.pool = pool
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def allocate(self, shape, dtype, fmt):
+        self.entered.set()
+        self.release.wait(10)
+        return self.pool.allocate(shape, dtype, fmt)
+
+
+@pytest.mark.parametrize("when", ["queued", "running"])
+def test_cancelled_aget_returns_its_buffer(tier: DiskTier, pool: HostMemoryPool, when: str) -> None:
+    put(tier, pool, 0)
+    tier.flush(5)
+    alloc = BlockingAllocator(pool)
+    gate = gate_all(tier, 2) if when == "queued" else None
+
+    async def main() -> None:
+        task = asyncio.ensure_future(tier.aget(key_of(0), alloc))
+        await asyncio.sleep(0.05)
+        if when == "running":
+            assert alloc.entered.wait(5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    alloc.release.set()
+    if gate is not None:
+        gate.set()
+    tier.flush(5)
+    assert pool.used_bytes == 0
+    # and the chunk is not stuck as "being read": it can still be evicted or removed
+    assert tier.remove(key_of(0))
+
+
+def test_second_tier_on_a_directory_waits_for_the_first(
+    tmp_path: Path, pool: HostMemoryPool
+) -> None:
+    first = new_tier(tmp_path / "d")
+    put(first, pool, 0)
+    first.flush(5)
+    second = DiskTier(tmp_path / "d", 64 * MiB, retry_s=0.1)
+    try:
+        assert second.degraded is not None and "in use" in second.degraded
+        assert not second.contains(key_of(0))
+        put(second, pool, 1)  # dropped: degraded
+        assert metric(second, "disk_puts_total", result="degraded") == 1
+        first.close()
+        time.sleep(0.15)
+        put(second, pool, 1)  # the probe: takes the directory, then re-indexes it
+        second.flush(5)
+        assert second.degraded is None
+        assert second.wait_indexed(5)
+        assert read_ok(second, pool, 0) and read_ok(second, pool, 1)
+    finally:
+        first.close()
+        second.close()
+
+
+def test_vanished_directory_degrades_then_recovers(tmp_path: Path, pool: HostMemoryPool) -> None:
+    tier = new_tier(tmp_path / "d", retry_s=0.2)
+    try:
+        put(tier, pool, 0)
+        tier.flush(5)
+        shutil.rmtree(tmp_path / "d")
+        put(tier, pool, 1)
+        tier.flush(5)
+        assert tier.degraded == "directory vanished"
+        assert metric(tier, "disk_degraded") == 1
+        assert len(tier) == 0 and tier.used_bytes == 0  # its files went with it
+        assert read_ok(tier, pool, 0) is None
+        put(tier, pool, 2)  # dropped, before the retry time
+        assert metric(tier, "disk_puts_total", result="degraded") == 1
+        time.sleep(0.25)
+        put(tier, pool, 2)  # the probe recreates the directory
+        tier.flush(5)
+        assert tier.degraded is None and metric(tier, "disk_degraded") == 0
+        assert read_ok(tier, pool, 2)
+        assert (tmp_path / "d" / ".lock").exists()
+    finally:
+        tier.close()
+    assert pool.used_bytes == 0
+
+
+def test_close_drops_queued_puts_and_returns_their_buffers(
+    tmp_path: Path, pool: HostMemoryPool
+) -> None:
+    tier = new_tier(tmp_path / "d")
+    gate = gate_all(tier, 2)
+    for i in range(5):
+        put(tier, pool, i)
+    assert pool.used_bytes == 5 * SIZE  # held by the queued writes
+    threading.Timer(0.1, gate.set).start()
+    tier.close()
+    tier.close()  # idempotent
+    assert pool.used_bytes == 0
+    assert temp_files(tmp_path / "d") == []
+    tier.submit_put(key_of(9), make_chunk(pool, 9, SIZE))  # ignored once closed
+    assert tier.get(key_of(0), pool) is None
+
+
+def test_queue_bound_drops_puts_instead_of_holding_memory(
+    tmp_path: Path, pool: HostMemoryPool
+) -> None:
+    tier = new_tier(tmp_path / "d", max_pending_puts=2)
+    gate = gate_all(tier, 2)
+    try:
+        for i in range(4):
+            put(tier, pool, i)
+        assert metric(tier, "disk_puts_total", result="queue_full") == 2
+        assert pool.used_bytes == 2 * SIZE
+        gate.set()
+        tier.flush(5)
+        assert len(tier) == 2
+    finally:
+        gate.set()
+        tier.close()
+
+
+def test_metrics_share_the_engine_registry_labels(tmp_path: Path, pool: HostMemoryPool) -> None:
+    m = Metrics({"instance": "i", "rank": "0"})
+    tier = new_tier(tmp_path / "d", metrics=m)
+    try:
+        put(tier, pool, 0)
+        tier.flush(5)
+        text = m.render().decode()
+        for line in (
+            'kvmesh_disk_puts_total{instance="i",rank="0",result="written"} 1.0',
+            f'kvmesh_disk_usage_bytes{{instance="i",rank="0"}} {FILE:.1f}',
+            'kvmesh_disk_chunks{instance="i",rank="0"} 1.0',
+            'kvmesh_disk_degraded{instance="i",rank="0"} 0.0',
+            'kvmesh_disk_corrupt_total{instance="i",rank="0"} 0.0',
+        ):
+            assert line in text, line
+    finally:
+        tier.close()
