@@ -1,0 +1,1 @@
+"""Clients and channels that move bytes between processes (ZMQ, NIXL)."""

@@ -1,0 +1,408 @@
+"""An asyncio client of the cache-server (protocol: kvmesh.common.protocol.cacheserver).
+
+One DEALER socket, owned by the event loop that called `connect()`. Requests are
+correlated with replies by request id, so any number can be in flight; each has a
+deadline. Two reader callbacks on the loop's selector run beside the callers: one
+drains replies and resolves their futures, one watches the socket's monitor so that a
+lost connection fails every request in flight at once (`CacheServerUnavailable`)
+instead of letting each wait for its deadline. ZMQ reconnects by itself; the next
+request says hello again first.
+
+Values are sent without a copy. A value of 64 KiB or more is tracked, and `put`
+returns only once ZMQ no longer reads its buffer, so the caller may reuse the memory
+as soon as `put` returns or raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from kvmesh.common.protocol import cacheserver as proto
+from kvmesh.common.transport.cacheserver_errors import (
+    BadRequestError,
+    CacheServerError,
+    CacheServerUnavailable,
+    ProtocolVersionError,
+    ServerBusyError,
+    ValueTooLargeError,
+    error_from,
+)
+
+__all__ = [
+    "BadRequestError",
+    "CacheServerClient",
+    "CacheServerError",
+    "CacheServerUnavailable",
+    "ProtocolVersionError",
+    "ServerBusyError",
+    "Value",
+    "ValueTooLargeError",
+]
+
+TRACK_FROM = 64 * 1024  # below this pyzmq copies the frame anyway
+_MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+
+
+@dataclass(slots=True)
+class Value:
+    """A fetched value: `data` is a view of the received frame (kept alive here)."""
+
+    data: memoryview
+    meta: bytes
+    checksum: int
+    _frame: Any = None
+
+
+class CacheServerClient:
+    """See module doc. Create, `await connect()`, use, `await close()`."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout_s: float = 5.0,
+        name: str = "",
+        context: zmq.Context | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.name = name or f"kvmesh-{os.getpid()}"
+        self._ctx = context or zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: dict[int, asyncio.Future] = {}
+        self._rids = itertools.count(1)
+        self._hello_lock = asyncio.Lock()
+        self._session = False  # hello answered on the current connection
+        self._up = asyncio.Event()  # a connection is established
+        self.max_value_size = 0
+        self.max_batch = proto.MAX_BATCH
+        self.server_name = ""
+        self.late_replies = 0
+
+    @property
+    def connected(self) -> bool:
+        return self._up.is_set()
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def connect(self, timeout_s: float | None = None) -> None:
+        """Open the socket and say hello (CacheServerUnavailable if nobody answers)."""
+        self._open()
+        await self.hello(timeout_s)
+
+    def _open(self) -> None:
+        """The DEALER and its monitor, read by callbacks on this loop's selector (plain
+        sockets, not zmq.asyncio: one callback drains every reply, with no task or
+        future per receive, which halves the latency of a small request)."""
+        loop = asyncio.get_running_loop()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a peer not yet connected
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+        sock.connect(self.endpoint)
+        self._sock, self._monitor, self._loop = sock, monitor, loop
+        loop.add_reader(sock.getsockopt(zmq.FD), self._drain)
+        loop.add_reader(monitor.getsockopt(zmq.FD), self._drain_monitor)
+        loop.call_soon(self._drain_monitor)
+
+    async def close(self) -> None:
+        """Fail what is in flight, stop reading, close the sockets (in that order)."""
+        self._fail_pending(CacheServerUnavailable("client closed"))
+        sock, monitor, loop = self._sock, self._monitor, self._loop
+        self._sock = self._monitor = None
+        if loop is not None and not loop.is_closed():
+            for s in (sock, monitor):
+                if s is not None:
+                    loop.remove_reader(s.getsockopt(zmq.FD))
+        if sock is not None:
+            sock.disable_monitor()
+            sock.close(linger=0)
+        if monitor is not None:
+            monitor.close(linger=0)
+        self._up.clear()
+        self._session = False
+
+    async def reconnect(self) -> None:
+        """A fresh socket (what was in flight fails), then hello."""
+        await self.close()
+        await self.connect()
+
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
+    # -- the plumbing -------------------------------------------------------------------
+    def _drain(self) -> None:
+        """Receive every reply waiting (ZMQ's FD is edge-triggered: drain it fully)."""
+        sock = self._sock
+        if sock is None:
+            return
+        pending = self._pending
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            try:
+                reply = proto.reply_decoder.decode(frames[0].buffer)
+            except (msgspec.DecodeError, ValueError):  # not a reply of ours: ignore it
+                continue
+            fut = pending.pop(reply.rid, None)
+            if fut is None:
+                self.late_replies += 1
+            elif not fut.done():
+                fut.set_result((reply, frames[1:]))
+
+    def _drain_monitor(self) -> None:
+        monitor = self._monitor
+        if monitor is None:
+            return
+        while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._up.set()
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self._up.clear()
+                self._session = False
+                self._fail_pending(CacheServerUnavailable("connection to cache-server lost"))
+
+    def _fail_pending(self, exc: Exception) -> None:
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+
+    def _send_now(self, parts: list[Any], track: bool) -> Any:
+        sock = self._sock
+        if sock is None:
+            raise CacheServerUnavailable("client is closed")
+        try:
+            return sock.send_multipart(parts, zmq.NOBLOCK, copy=False, track=track)
+        finally:
+            self._drain()  # a send can swallow the FD's edge for replies already waiting
+
+    async def _send(self, header: proto._Msg, frames: Sequence[Any], timeout_s: float) -> Any:
+        """Send one request and wait for its reply or an error; returns (reply, frames)."""
+        rid = header.rid  # type: ignore[attr-defined]
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        parts = [proto.encoder.encode(header), *frames]
+        track = any(_nbytes(f) >= TRACK_FROM for f in frames)
+        tracker = None
+        try:
+            async with asyncio.timeout(timeout_s):
+                while True:
+                    self._pending[rid] = fut
+                    try:
+                        tracker = self._send_now(parts, track)
+                        break
+                    except zmq.Again:  # no connection yet (IMMEDIATE): wait for one
+                        self._pending.pop(rid, None)
+                        await self._up.wait()
+                        if self._sock is None:
+                            raise CacheServerUnavailable("client is closed") from None
+                reply, rest = await fut
+        except TimeoutError:
+            raise CacheServerUnavailable(
+                f"no reply from {self.endpoint} within {timeout_s:.3g}s"
+            ) from None
+        finally:
+            self._pending.pop(rid, None)
+            if isinstance(tracker, zmq.MessageTracker):
+                await _released(tracker, self)
+        if isinstance(reply, proto.ErrorReply):
+            raise error_from(reply)
+        return reply, rest
+
+    async def _call(
+        self, make: Any, frames: Sequence[Any] = (), timeout_s: float | None = None
+    ) -> Any:
+        """Send the request make(rid) after a hello if needed; a NO_HELLO answer (the
+        server restarted or the connection was replaced) is met by one hello and
+        one retry."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        for attempt in range(2):
+            if not self._session:
+                await self.hello(max(deadline - loop.time(), 0.001))
+            try:
+                return await self._send(
+                    make(next(self._rids)), frames, max(deadline - loop.time(), 0.001)
+                )
+            except CacheServerError as exc:
+                if exc.code != proto.ErrorCode.NO_HELLO or attempt:
+                    raise
+                self._session = False
+        raise AssertionError("unreachable")
+
+    # -- requests -----------------------------------------------------------------------
+    async def hello(self, timeout_s: float | None = None) -> proto.HelloReply:
+        async with self._hello_lock:
+            msg = proto.Hello(next(self._rids), proto.PROTOCOL_VERSION, self.name)
+            reply, _ = await self._send(msg, (), self.timeout_s if timeout_s is None else timeout_s)
+            self.max_value_size = reply.max_value_size
+            self.max_batch = reply.max_batch
+            self.server_name = reply.server
+            self._session = True
+            return reply
+
+    async def put(
+        self,
+        key: str,
+        value: Any,
+        meta: bytes = b"",
+        checksum: int | None = None,
+        timeout_s: float | None = None,
+    ) -> int:
+        """Store value (bytes-like); returns the server's checksum of it."""
+        reply, _ = await self._call(
+            lambda rid: proto.PutValue(rid, key, meta, checksum), (value,), timeout_s
+        )
+        return reply.checksum
+
+    async def get(self, key: str, timeout_s: float | None = None) -> Value | None:
+        reply, frames = await self._call(lambda rid: proto.GetValue(rid, key), (), timeout_s)
+        if not reply.found:
+            return None
+        if len(frames) != 1:
+            raise BadRequestError(f"get reply carried {len(frames)} value frames, not 1")
+        return Value(frames[0].buffer, reply.meta, reply.checksum, frames[0])
+
+    async def exists(self, key: str, timeout_s: float | None = None) -> bool:
+        reply, _ = await self._call(lambda rid: proto.CheckValue(rid, key), (), timeout_s)
+        return reply.found
+
+    async def delete(self, key: str, timeout_s: float | None = None) -> bool:
+        reply, _ = await self._call(lambda rid: proto.DeleteValue(rid, key), (), timeout_s)
+        return reply.deleted
+
+    def _batches(self, n: int) -> list[range]:
+        size = max(1, self.max_batch)
+        return [range(i, min(i + size, n)) for i in range(0, n, size)]
+
+    async def put_many(
+        self,
+        items: Sequence[tuple[str, Any, bytes]],
+        timeout_s: float | None = None,
+    ) -> list[int]:
+        """Store (key, value, meta) items; one error code per item (0 = stored)."""
+        out: list[int] = []
+        for part in self._batches(len(items)):
+            chunk = [items[i] for i in part]
+            keys = [k for k, _, _ in chunk]
+            metas = [m for _, _, m in chunk]
+            reply, _ = await self._call(
+                lambda rid, k=keys, m=metas: proto.PutValues(rid, k, m),
+                [v for _, v, _ in chunk],
+                timeout_s,
+            )
+            out.extend(reply.errors)
+        return out
+
+    async def get_many(
+        self, keys: Sequence[str], timeout_s: float | None = None
+    ) -> list[Value | None]:
+        out: list[Value | None] = []
+        for part in self._batches(len(keys)):
+            chunk = [keys[i] for i in part]
+            reply, frames = await self._call(
+                lambda rid, k=chunk: proto.GetValues(rid, k), (), timeout_s
+            )
+            if len(frames) != sum(reply.found) or len(reply.found) != len(chunk):
+                raise BadRequestError("mget reply does not match its request")
+            it = iter(frames)
+            for found, meta, checksum in zip(
+                reply.found, reply.metas, reply.checksums, strict=True
+            ):
+                if found:
+                    frame = next(it)
+                    out.append(Value(frame.buffer, meta, checksum, frame))
+                else:
+                    out.append(None)
+        return out
+
+    async def exists_many(self, keys: Sequence[str], timeout_s: float | None = None) -> list[bool]:
+        out: list[bool] = []
+        for part in self._batches(len(keys)):
+            chunk = [keys[i] for i in part]
+            reply, _ = await self._call(
+                lambda rid, k=chunk: proto.CheckValues(rid, k), (), timeout_s
+            )
+            out.extend(reply.found)
+        return out
+
+    async def delete_many(self, keys: Sequence[str], timeout_s: float | None = None) -> list[bool]:
+        out: list[bool] = []
+        for part in self._batches(len(keys)):
+            chunk = [keys[i] for i in part]
+            reply, _ = await self._call(
+                lambda rid, k=chunk: proto.DeleteValues(rid, k), (), timeout_s
+            )
+            out.extend(reply.deleted)
+        return out
+
+    async def list_page(
+        self, prefix: str = "", cursor: str = "", limit: int = 1000, timeout_s: float | None = None
+    ) -> tuple[list[str], str]:
+        reply, _ = await self._call(
+            lambda rid: proto.ListKeys(rid, prefix, cursor, limit), (), timeout_s
+        )
+        return reply.keys, reply.cursor
+
+    async def list_keys(self, prefix: str = "", page: int = 1000) -> AsyncIterator[str]:
+        cursor = ""
+        while True:
+            keys, cursor = await self.list_page(prefix, cursor, page)
+            for key in keys:
+                yield key
+            if not cursor:
+                return
+
+    async def stats(self, timeout_s: float | None = None) -> proto.GetStatsReply:
+        reply, _ = await self._call(lambda rid: proto.GetStats(rid), (), timeout_s)
+        return reply
+
+    async def health(self, timeout_s: float | None = None) -> proto.CheckHealthReply:
+        reply, _ = await self._call(lambda rid: proto.CheckHealth(rid), (), timeout_s)
+        return reply
+
+
+def _nbytes(frame: Any) -> int:
+    if isinstance(frame, memoryview):
+        return frame.nbytes
+    try:
+        return len(frame)
+    except TypeError:
+        return memoryview(frame).nbytes
+
+
+async def _released(tracker: zmq.MessageTracker, client: CacheServerClient) -> None:
+    """Wait until ZMQ is done with a zero-copy buffer: it has been written to the
+    socket, or dropped with its connection, or the socket was closed."""
+    delay, closed_wait = 0.0002, 1.0
+    while not tracker.done:
+        if client.closed:
+            # Closing with linger 0 discards the message; ZMQ frees it shortly after.
+            closed_wait -= delay
+            if closed_wait <= 0:
+                return
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.02)

@@ -1,0 +1,1 @@
+"""The cache-server: the shared remote tier (`kvmesh serve cacheserver`)."""

@@ -1,0 +1,270 @@
+"""The cache-server's request handlers: one per message type, in one table.
+
+Each handler takes the decoded header and its value frames and returns the reply
+header and the value frames to send back. Handlers raise `RequestError` for a request
+they refuse; the server turns it into an `ErrorReply`. Handlers are plain functions
+that only touch memory, run inline by the receive callback in arrival order; a get
+that must read the spill has an async twin (`async_table`) that the server runs as a
+task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kvmesh.common.observability import get_logger
+from kvmesh.common.protocol import cacheserver as proto
+from kvmesh.common.protocol.cacheserver import ErrorCode
+from kvmesh.services.cacheserver.stats import ServerStats
+from kvmesh.services.cacheserver.store import Entry, MemoryStore, StoreError, make_entry
+
+log = get_logger(__name__)
+
+# Values below this are copied out of the received frame (which may share a larger
+# receive buffer); larger ones are kept as the frame itself, with no copy.
+KEEP_FRAME_FROM = 64 * 1024
+
+Result = tuple[Any, list[Any]]
+Handler = Callable[[Any, list[Any]], Result]
+AsyncHandler = Callable[[Any, list[Any]], Awaitable[Result]]
+
+
+class RequestError(Exception):
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _check_key(key: str) -> None:
+    if not proto.valid_key(key):
+        raise RequestError(
+            ErrorCode.BAD_KEY,
+            f"keys are 1–{proto.MAX_KEY_BYTES} bytes of printable UTF-8; got {key[:40]!r}",
+        )
+
+
+def _check_batch(keys: list[str]) -> None:
+    if len(keys) > proto.MAX_BATCH:
+        raise RequestError(
+            ErrorCode.BATCH_TOO_LARGE, f"{len(keys)} keys in one batch (max {proto.MAX_BATCH})"
+        )
+    for key in keys:
+        _check_key(key)
+
+
+def _kept(frame: Any) -> Any:
+    buf = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+    return frame if buf.nbytes >= KEEP_FRAME_FROM else bytes(buf)
+
+
+class Handlers:
+    """The table `Handlers(...).table[type(msg)]` and the handlers behind it."""
+
+    def __init__(
+        self,
+        store: MemoryStore,
+        stats: ServerStats,
+        *,
+        server_name: str,
+        request_timeout_s: float,
+        started: float,
+        connections: Callable[[], int],
+    ) -> None:
+        self.store = store
+        self.stats = stats
+        self.server_name = server_name
+        self.request_timeout_s = request_timeout_s
+        self.started = started
+        self._connections = connections
+        # Handlers that may wait for the spill, used when `suspends(msg)`.
+        self.async_table: dict[type, AsyncHandler] = {
+            proto.GetValue: self.aget,
+            proto.GetValues: self.aget_many,
+        }
+        self.table: dict[type, Handler] = {
+            proto.PutValue: self.put,
+            proto.GetValue: self.get,
+            proto.CheckValue: self.exists,
+            proto.DeleteValue: self.delete,
+            proto.PutValues: self.put_many,
+            proto.GetValues: self.get_many,
+            proto.CheckValues: self.exists_many,
+            proto.DeleteValues: self.delete_many,
+            proto.ListKeys: self.list_keys,
+            proto.GetStats: self.get_stats,
+            proto.CheckHealth: self.health,
+        }
+
+    def suspends(self, msg: Any) -> bool:
+        """Whether handling msg may wait for disk (so it should run as a task)."""
+        if isinstance(msg, proto.GetValue):
+            return self.store.needs_disk(msg.key)
+        if isinstance(msg, proto.GetValues):
+            return any(self.store.needs_disk(k) for k in msg.keys)
+        return False
+
+    # -- storing ------------------------------------------------------------------------
+    def _store(self, key: str, frame: Any, meta: bytes, checksum: int | None) -> Entry:
+        _check_key(key)
+        if len(meta) > proto.MAX_META_BYTES:
+            raise RequestError(
+                ErrorCode.BAD_MESSAGE, f"meta of {len(meta)} bytes (max {proto.MAX_META_BYTES})"
+            )
+        try:
+            entry = make_entry(_kept(frame), meta, checksum)
+            self.store.put(key, entry)
+        except StoreError as exc:
+            raise RequestError(exc.code, str(exc)) from None
+        self.stats.bytes_in.inc(entry.nbytes)
+        return entry
+
+    def put(self, msg: proto.PutValue, frames: list[Any]) -> Result:
+        if len(frames) != 1:
+            raise RequestError(ErrorCode.BAD_FRAMES, f"put needs 1 value frame, got {len(frames)}")
+        entry = self._store(msg.key, frames[0], msg.meta, msg.checksum)
+        return proto.PutValueReply(msg.rid, entry.checksum), []
+
+    def put_many(self, msg: proto.PutValues, frames: list[Any]) -> Result:
+        keys = msg.keys
+        if len(keys) > proto.MAX_BATCH:
+            _check_batch(keys)
+        if len(frames) != len(keys):
+            raise RequestError(
+                ErrorCode.BAD_FRAMES, f"mput of {len(keys)} keys carried {len(frames)} frames"
+            )
+        if msg.metas and len(msg.metas) != len(keys):
+            raise RequestError(ErrorCode.BAD_MESSAGE, "metas must be empty or one per key")
+        if msg.checksums and len(msg.checksums) != len(keys):
+            raise RequestError(ErrorCode.BAD_MESSAGE, "checksums must be empty or one per key")
+        errors: list[int] = []
+        for i, (key, frame) in enumerate(zip(keys, frames, strict=True)):
+            meta = msg.metas[i] if msg.metas else b""
+            checksum = msg.checksums[i] if msg.checksums else None
+            try:
+                self._store(key, frame, meta, checksum)
+                errors.append(0)
+            except RequestError as exc:
+                self.stats.errors[exc.code].inc()
+                errors.append(int(exc.code))
+        return proto.PutValuesReply(msg.rid, errors), []
+
+    # -- reading ------------------------------------------------------------------------
+    def _counted(self, entry: Entry | None) -> Entry | None:
+        self.store.count(entry is not None)
+        if entry is None:
+            self.stats.misses.inc()
+        else:
+            self.stats.hits.inc()
+            self.stats.bytes_out.inc(entry.nbytes)
+        return entry
+
+    async def _fetch(self, key: str) -> Entry | None:
+        """From memory, or from the spill within the request deadline (else a miss)."""
+        store = self.store
+        entry = store.get_memory(key)
+        if entry is None and store.needs_disk(key):
+            try:
+                async with asyncio.timeout(self.request_timeout_s):
+                    entry = await store.read_spilled(key)
+            except TimeoutError:
+                log.warning("spill read passed its deadline; answered as a miss")
+        return self._counted(entry)
+
+    @staticmethod
+    def _get_reply(rid: int, entry: Entry | None) -> Result:
+        if entry is None:
+            return proto.GetValueReply(rid, False), []
+        return proto.GetValueReply(rid, True, entry.meta, entry.checksum), [entry.value]
+
+    @staticmethod
+    def _get_many_reply(rid: int, entries: list[Entry | None]) -> Result:
+        found = [e is not None for e in entries]
+        metas = [e.meta if e is not None else b"" for e in entries]
+        checksums = [e.checksum if e is not None else 0 for e in entries]
+        return (
+            proto.GetValuesReply(rid, found, metas, checksums),
+            [e.value for e in entries if e is not None],
+        )
+
+    def get(self, msg: proto.GetValue, frames: list[Any]) -> Result:
+        """From memory only (what does not suspend); see aget."""
+        _check_key(msg.key)
+        return self._get_reply(msg.rid, self._counted(self.store.get_memory(msg.key)))
+
+    async def aget(self, msg: proto.GetValue, frames: list[Any]) -> Result:
+        _check_key(msg.key)
+        return self._get_reply(msg.rid, await self._fetch(msg.key))
+
+    def get_many(self, msg: proto.GetValues, frames: list[Any]) -> Result:
+        _check_batch(msg.keys)
+        get = self.store.get_memory
+        return self._get_many_reply(msg.rid, [self._counted(get(k)) for k in msg.keys])
+
+    async def aget_many(self, msg: proto.GetValues, frames: list[Any]) -> Result:
+        _check_batch(msg.keys)
+        return self._get_many_reply(msg.rid, [await self._fetch(k) for k in msg.keys])
+
+    def exists(self, msg: proto.CheckValue, frames: list[Any]) -> Result:
+        _check_key(msg.key)
+        return proto.CheckValueReply(msg.rid, self.store.contains(msg.key)), []
+
+    def exists_many(self, msg: proto.CheckValues, frames: list[Any]) -> Result:
+        _check_batch(msg.keys)
+        contains = self.store.contains
+        return proto.CheckValuesReply(msg.rid, [contains(k) for k in msg.keys]), []
+
+    # -- deleting and listing -----------------------------------------------------------
+    def delete(self, msg: proto.DeleteValue, frames: list[Any]) -> Result:
+        _check_key(msg.key)
+        return proto.DeleteValueReply(msg.rid, self.store.delete(msg.key)), []
+
+    def delete_many(self, msg: proto.DeleteValues, frames: list[Any]) -> Result:
+        _check_batch(msg.keys)
+        delete = self.store.delete
+        return proto.DeleteValuesReply(msg.rid, [delete(k) for k in msg.keys]), []
+
+    def list_keys(self, msg: proto.ListKeys, frames: list[Any]) -> Result:
+        if not 1 <= msg.limit <= proto.MAX_LIST_LIMIT:
+            raise RequestError(
+                ErrorCode.BAD_MESSAGE, f"limit must be 1–{proto.MAX_LIST_LIMIT}, got {msg.limit}"
+            )
+        if msg.prefix:
+            _check_key(msg.prefix)
+        try:
+            keys, cursor = self.store.list_keys(msg.prefix, msg.cursor, msg.limit)
+        except ValueError as exc:
+            raise RequestError(ErrorCode.BAD_MESSAGE, str(exc)) from None
+        return proto.ListKeysReply(msg.rid, keys, cursor), []
+
+    # -- introspection ------------------------------------------------------------------
+    def get_stats(self, msg: proto.GetStats, frames: list[Any]) -> Result:
+        store = self.store
+        spill = store.spill
+        return (
+            proto.GetStatsReply(
+                msg.rid,
+                keys=store.keys_total,
+                memory_bytes=store.used_bytes,
+                max_memory=store.max_memory,
+                spilled_keys=len(spill) if spill is not None else 0,
+                spilled_bytes=spill.used_bytes if spill is not None else 0,
+                hits=store.hits,
+                misses=store.misses,
+                evictions=store.evictions,
+                connections=self._connections(),
+                uptime_s=time.monotonic() - self.started,
+            ),
+            [],
+        )
+
+    def health(self, msg: proto.CheckHealth, frames: list[Any]) -> Result:
+        return (
+            proto.CheckHealthReply(msg.rid, True, proto.PROTOCOL_VERSION, self.uptime()),
+            [],
+        )
+
+    def uptime(self) -> float:
+        return time.monotonic() - self.started

@@ -1,0 +1,174 @@
+"""The cache-server's optional second listener: LMCache's `lm://` TCP protocol.
+
+An LMCache deployment sets `remote_url: lm://HOST:LM_PORT` and uses kvmesh's
+cache-server unchanged (framing: kvmesh.common.protocol.lmcache_lm). Its values share
+the store, memory bound, LRU, spill and checksums with kvmesh's own clients, under
+keys no kvmesh client can name (`INTERNAL_PREFIX + "lm:" + key`), with the PUT
+header's format, dtype, shape and location kept as the value's meta for GET replies.
+
+Unlike LMCache's own server it sets TCP_NODELAY and sends a reply header and its
+payload in one write (two writes stall ~44 ms per small GET on Nagle plus delayed ACK).
+
+Bad input: a header that cannot be valid (negative length, a key that is empty or not
+UTF-8), an unknown command, a PUT over `max_value_size`, or a payload that stops
+arriving within `request_timeout_s` closes that connection (an unknown command gets a
+400 reply first); LIST gets a 400 reply. Other connections are not affected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+from kvmesh.common.config import CacheServerConfig
+from kvmesh.common.observability import get_logger
+from kvmesh.common.protocol import lmcache_lm as lm
+from kvmesh.services.cacheserver.stats import ServerStats
+from kvmesh.services.cacheserver.store import (
+    INTERNAL_PREFIX,
+    MemoryStore,
+    StoreError,
+    make_entry,
+)
+
+log = get_logger(__name__)
+
+LM_PREFIX = INTERNAL_PREFIX + "lm:"
+_FAIL = lm.FAIL.pack()
+_SUCCESS = lm.SUCCESS.pack()
+
+
+class _Close(Exception):
+    """End this connection (after whatever reply was written)."""
+
+
+class LmListener:
+    def __init__(self, store: MemoryStore, stats: ServerStats, config: CacheServerConfig) -> None:
+        self.store = store
+        self.stats = stats
+        self.config = config
+        self.connections = 0
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._clients: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(
+            self._serve_client, self.config.host, self.config.lm_port, reuse_address=True
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for task in list(self._clients):
+                task.cancel()
+            await asyncio.gather(*self._clients, return_exceptions=True)
+            await self._server.wait_closed()
+
+    async def _serve_client(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._clients.add(task)
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.connections += 1
+        self.stats.connections["lm"].set(self.connections)
+        try:
+            if self.connections > self.config.max_connections:
+                log.warning("lm:// connection refused: at the connection limit")
+                self.stats.lm_closed.inc()
+                return
+            while True:
+                try:
+                    header = await reader.readexactly(lm.REQUEST_SIZE)
+                except asyncio.IncompleteReadError:
+                    return  # the client closed (or sent a truncated header)
+                await self._serve_one(header, reader, writer)
+        except _Close as exc:
+            self.stats.lm_closed.inc()
+            log.info("lm:// connection closed", reason=str(exc))
+        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
+            self.stats.lm_closed.inc()
+        finally:
+            self.connections -= 1
+            self.stats.connections["lm"].set(self.connections)
+            self._clients.discard(task)
+            writer.close()
+            with contextlib.suppress(ConnectionError, OSError):
+                await writer.wait_closed()
+
+    async def _serve_one(
+        self, header: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        try:
+            req = lm.parse_request(header)
+        except lm.LmFrameError as exc:
+            self.stats.lm_requests["invalid"].inc()
+            raise _Close(f"bad header: {exc}") from None
+        command = req.command
+        key = LM_PREFIX + req.key
+        if command == lm.Command.PUT:
+            self.stats.lm_requests["put"].inc()
+            await self._put(req, key, reader)
+            return  # PUT has no reply
+        if command == lm.Command.GET:
+            self.stats.lm_requests["get"].inc()
+            entry = await self._get(key)
+            if entry is None:
+                writer.write(_FAIL)
+            else:
+                head = lm.reply_from_meta(entry.meta, entry.nbytes).pack()
+                # One write for header and payload (see module doc).
+                writer.writelines([head, entry.view])
+                self.stats.bytes_out.inc(entry.nbytes)
+        elif command == lm.Command.EXIST:
+            self.stats.lm_requests["exist"].inc()
+            writer.write(_SUCCESS if self.store.contains(key) else _FAIL)
+        elif command == lm.Command.HEALTH:
+            self.stats.lm_requests["health"].inc()
+            writer.write(_SUCCESS)
+        elif command == lm.Command.LIST:
+            self.stats.lm_requests["list"].inc()
+            writer.write(_FAIL)
+        else:
+            self.stats.lm_requests["invalid"].inc()
+            writer.write(_FAIL)
+            await writer.drain()
+            raise _Close(f"unknown command {command}")
+        await writer.drain()
+
+    async def _put(self, req: lm.LmRequest, key: str, reader: asyncio.StreamReader) -> None:
+        limit = int(self.config.max_value_size)
+        if req.length > limit:
+            raise _Close(f"PUT of {req.length} bytes exceeds max_value_size {limit}")
+        async with asyncio.timeout(self.config.request_timeout_s):
+            payload = await reader.readexactly(req.length)
+        try:
+            entry = make_entry(payload, lm.meta_of(req))
+            self.store.put(key, entry)
+        except StoreError as exc:
+            self.stats.errors[exc.code].inc()
+            log.warning("lm:// put refused", error=str(exc))
+            return
+        self.stats.bytes_in.inc(entry.nbytes)
+
+    async def _get(self, key: str):
+        store = self.store
+        if store.needs_disk(key):
+            try:
+                async with asyncio.timeout(self.config.request_timeout_s):
+                    entry = await store.get(key)
+            except TimeoutError:
+                entry = None
+        else:
+            entry = store.get_memory(key)
+            store.count(entry is not None)
+        if entry is not None and len(entry.meta) != lm.META_SIZE:
+            entry = None  # not an lm:// value (cannot happen through this listener)
+        (self.stats.hits if entry is not None else self.stats.misses).inc()
+        return entry

@@ -1,0 +1,367 @@
+"""The cache-server: the shared remote tier (L4), one asyncio process.
+
+Listeners:
+- a ZMQ ROUTER (`host:port`) speaking kvmesh's protocol (common/protocol/cacheserver.py);
+- optionally LMCache's `lm://` protocol on `lm_port` (lm_listener.py);
+- optionally HTTP on `metrics_port`: `/metrics` and `/healthz` (http.py).
+
+One reader callback on the event loop drains the ROUTER socket, decodes each header
+with one reused decoder and dispatches through the handler table (handlers.py); memory
+operations are answered inline, a get that reads the spill runs as a task. Plain ZMQ
+sockets read from the loop's selector, not zmq.asyncio: no future or task per message.
+
+Anything malformed gets an `ErrorReply` and a metric, never a crash: bytes that are
+not ZMTP cost only their own connection (ZMQ drops it, or reads them as ZMTP 1.0
+frames that then fail to decode), and a frame larger than the limit closes its
+connection (ZMQ's MAXMSGSIZE).
+
+Sessions and the connection limit: a client is served once it said hello (routing id
+→ session). ZMQ gives no per-peer disconnect notice without its draft API, so the
+open-connection count comes from the socket monitor (accepted − disconnected), and
+sessions idle for `session_idle_s` are forgotten (their client just says hello
+again). A hello is refused with TOO_MANY_CONNECTIONS while either count is at
+`max_connections`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from kvmesh.common.config import CacheServerConfig
+from kvmesh.common.observability import Metrics, get_logger
+from kvmesh.common.protocol import cacheserver as proto
+from kvmesh.common.protocol.cacheserver import ErrorCode
+from kvmesh.services.cacheserver.handlers import Handlers, RequestError
+from kvmesh.services.cacheserver.http import HttpEndpoint
+from kvmesh.services.cacheserver.lm_listener import LmListener
+from kvmesh.services.cacheserver.spill import DiskSpill
+from kvmesh.services.cacheserver.stats import ServerStats
+from kvmesh.services.cacheserver.store import MemoryStore
+
+log = get_logger(__name__)
+
+MAX_INFLIGHT_TASKS = 256
+DRAIN_BATCH = 256
+GAUGE_PERIOD_S = 1.0
+
+
+@dataclass(slots=True)
+class _Session:
+    client: str
+    last_seen: float
+
+
+class CacheServer:
+    """Build with a config, `await start()`, then `await wait_closed()` or `stop()`."""
+
+    def __init__(self, config: CacheServerConfig, *, name: str = "kvmesh-cacheserver") -> None:
+        self.config = config
+        self.name = name
+        self.stats = ServerStats(Metrics())
+        spill = None
+        if config.spill_path:
+            spill = DiskSpill(
+                config.spill_path,
+                int(config.spill_max_size),
+                max_backlog=max(64 << 20, 2 * int(config.max_value_size)),
+            )
+        self.store = MemoryStore(
+            int(config.max_memory), int(config.max_value_size), spill, on_evict=self._evicted
+        )
+        self.started = time.monotonic()
+        self.handlers = Handlers(
+            self.store,
+            self.stats,
+            server_name=name,
+            request_timeout_s=config.request_timeout_s,
+            started=self.started,
+            connections=self.connections,
+        )
+        self.sessions: dict[bytes, _Session] = {}
+        self.zmq_connections = 0
+        self._ctx = zmq.Context()
+        self._sock: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._inflight: set[asyncio.Task] = set()
+        self._stopped = asyncio.Event()
+        self._closed = asyncio.Event()
+        self.lm: LmListener | None = None
+        self.http: HttpEndpoint | None = None
+        self.port = 0
+        self.stats.max_memory.set(int(config.max_memory))
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.config
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        # A frame over this closes the sender's connection: values are bounded by
+        # max_value_size, headers (up to MAX_BATCH keys) by a few MiB.
+        sock.setsockopt(zmq.MAXMSGSIZE, int(cfg.max_value_size) + (8 << 20))
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        endpoint = f"tcp://{_zmq_host(cfg.host)}"
+        if cfg.port:
+            sock.bind(f"{endpoint}:{cfg.port}")
+            self.port = cfg.port
+        else:
+            self.port = sock.bind_to_random_port(endpoint)
+        self._sock = sock
+        loop = asyncio.get_running_loop()
+        loop.add_reader(sock.getsockopt(zmq.FD), self._on_readable)
+        loop.add_reader(self._monitor.getsockopt(zmq.FD), self._on_monitor)
+        loop.call_soon(self._on_readable)
+        loop.call_soon(self._on_monitor)
+        self._tasks = [asyncio.create_task(self._housekeeping(), name="cacheserver-housekeeping")]
+        if cfg.lm_enabled:
+            self.lm = LmListener(self.store, self.stats, cfg)
+            await self.lm.start()
+        if cfg.metrics_port:
+            self.http = HttpEndpoint(self.stats.metrics, self.health_report, cfg.host)
+            await self.http.start(cfg.metrics_port)
+        log.info(
+            "cacheserver ready",
+            port=self.port,
+            lm_port=self.lm.port if self.lm else None,
+            metrics_port=self.http.port if self.http else None,
+            max_memory=int(cfg.max_memory),
+            spill=cfg.spill_path or None,
+        )
+
+    async def stop(self) -> None:
+        """Stop serving: cancel tasks, then close sockets, then the context."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        if self.lm is not None:
+            await self.lm.stop()
+        if self.http is not None:
+            await self.http.stop()
+        loop = asyncio.get_running_loop()
+        sock, monitor = self._sock, self._monitor
+        self._sock = self._monitor = None
+        for s in (sock, monitor):
+            if s is not None:
+                loop.remove_reader(s.getsockopt(zmq.FD))
+        tasks = [*self._tasks, *self._inflight]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if sock is not None:
+            sock.disable_monitor()
+            sock.close(linger=0)
+        if monitor is not None:
+            monitor.close(linger=0)
+        self._ctx.term()
+        if self.store.spill is not None:
+            self.store.spill.close()
+        log.info("cacheserver stopped")
+        self._closed.set()
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+    def connections(self) -> int:
+        self._on_monitor()  # take in connection events not yet seen
+        return self.zmq_connections + (self.lm.connections if self.lm else 0)
+
+    def health_report(self) -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "keys": self.store.keys_total,
+            "memory_bytes": self.store.used_bytes,
+            "connections": self.connections(),
+            "protocol_version": proto.PROTOCOL_VERSION,
+        }
+
+    # -- the ROUTER loop ----------------------------------------------------------------
+    def _on_readable(self) -> None:
+        """Serve what the socket holds (ZMQ's FD is edge-triggered, so drain it), at most
+        DRAIN_BATCH messages per turn so timers and other callbacks still run."""
+        sock = self._sock
+        if sock is None:
+            return
+        for _ in range(DRAIN_BATCH):
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if len(frames) < 2:
+                continue  # nothing to answer to
+            try:
+                self._dispatch(frames)
+            except Exception:  # a bug must not stop serving everyone else
+                log.exception("request dispatch failed")
+                self.stats.errors[ErrorCode.INTERNAL].inc()
+        asyncio.get_running_loop().call_soon(self._on_readable)
+
+    def _dispatch(self, frames: list) -> None:
+        peer = frames[0].bytes
+        header, values = frames[1], frames[2:]
+        try:
+            msg = proto.request_decoder.decode(header.buffer)
+        except (msgspec.DecodeError, ValueError) as exc:  # ValueError: invalid UTF-8
+            err = proto.error_for(exc, header.buffer)
+            self._count("invalid", ErrorCode(err.code))
+            self._reply(peer, err, [])
+            return
+        now = time.monotonic()
+        if isinstance(msg, proto.Hello):
+            self._reply(peer, self._hello(peer, msg, now), [])
+            return
+        session = self.sessions.get(peer)
+        if session is None:
+            self.stats.errors[ErrorCode.NO_HELLO].inc()
+            self._reply(peer, self._error(msg, ErrorCode.NO_HELLO, "say hello first"), [])
+            return
+        session.last_seen = now
+        handler = self.handlers.table.get(type(msg))
+        if handler is None:  # a request type this server decodes but does not serve
+            self.stats.errors[ErrorCode.UNKNOWN_MESSAGE].inc()
+            self._reply(peer, self._error(msg, ErrorCode.UNKNOWN_MESSAGE, "not served here"), [])
+            return
+        op = msg.__struct_config__.tag
+        if len(self._inflight) < MAX_INFLIGHT_TASKS and self.handlers.suspends(msg):
+            # Over the cap, a get is answered from memory alone (a miss is always safe).
+            task = asyncio.get_running_loop().create_task(
+                self._handle_async(peer, self.handlers.async_table[type(msg)], msg, values, now)
+            )
+            self._inflight.add(task)
+            task.add_done_callback(self._inflight.discard)
+            return
+        try:
+            reply, out = handler(msg, values)
+        except RequestError as exc:
+            reply, out = self._refused(msg, exc)
+        self._served(op, now)
+        self._reply(peer, reply, out)
+
+    async def _handle_async(
+        self, peer: bytes, handler: Any, msg: Any, values: list, t0: float
+    ) -> None:
+        try:
+            reply, out = await handler(msg, values)
+        except RequestError as exc:
+            reply, out = self._refused(msg, exc)
+        except Exception as exc:  # a bug: answer, log, keep serving
+            log.exception("handler failed", op=msg.__struct_config__.tag)
+            reply, out = self._error(msg, ErrorCode.INTERNAL, repr(exc)[:300]), []
+            self.stats.errors[ErrorCode.INTERNAL].inc()
+        self._served(msg.__struct_config__.tag, t0)
+        self._reply(peer, reply, out)
+        self._on_readable()  # the send may have swallowed the FD's edge
+
+    def _refused(self, msg: Any, exc: RequestError) -> tuple[proto.ErrorReply, list]:
+        self.stats.errors[exc.code].inc()
+        return self._error(msg, exc.code, str(exc)), []
+
+    def _served(self, op: str, t0: float) -> None:
+        self.stats.requests[op].inc()
+        self.stats.seconds[op].observe(time.monotonic() - t0)
+
+    def _hello(self, peer: bytes, msg: proto.Hello, now: float) -> Any:
+        self.stats.requests["hello"].inc()
+        if msg.version != proto.PROTOCOL_VERSION:
+            self.stats.errors[ErrorCode.VERSION_MISMATCH].inc()
+            return self._error(
+                msg,
+                ErrorCode.VERSION_MISMATCH,
+                f"server speaks protocol version {proto.PROTOCOL_VERSION}, client {msg.version}",
+            )
+        limit = self.config.max_connections
+        if peer not in self.sessions and (
+            len(self.sessions) >= limit or self.zmq_connections > limit
+        ):
+            self.stats.errors[ErrorCode.TOO_MANY_CONNECTIONS].inc()
+            return self._error(
+                msg, ErrorCode.TOO_MANY_CONNECTIONS, f"at the limit of {limit} connections"
+            )
+        self.sessions[peer] = _Session(msg.client[:100], now)
+        self.stats.sessions.set(len(self.sessions))
+        return proto.HelloReply(
+            msg.rid,
+            proto.PROTOCOL_VERSION,
+            self.name,
+            int(self.config.max_value_size),
+            proto.MAX_BATCH,
+        )
+
+    def _error(self, msg: Any, code: ErrorCode, message: str) -> proto.ErrorReply:
+        return proto.ErrorReply(getattr(msg, "rid", 0), int(code), message, code in proto.RETRYABLE)
+
+    def _count(self, op: str, code: ErrorCode) -> None:
+        self.stats.requests[op].inc()
+        self.stats.errors[code].inc()
+
+    def _reply(self, peer: bytes, reply: Any, values: list) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        try:
+            # ROUTER never blocks: a message for a gone (or far behind) peer is dropped.
+            sock.send_multipart(
+                [peer, proto.encoder.encode(reply), *values], zmq.NOBLOCK, copy=False
+            )
+        except zmq.ZMQError as exc:
+            log.debug("reply not sent", error=str(exc))
+
+    # -- background ---------------------------------------------------------------------
+    def _on_monitor(self) -> None:
+        monitor = self._monitor
+        if monitor is None:
+            return
+        while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self.zmq_connections += 1
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self.zmq_connections = max(0, self.zmq_connections - 1)
+        self.stats.connections["zmq"].set(self.zmq_connections)
+
+    async def _housekeeping(self) -> None:
+        idle = self.config.session_idle_s
+        while True:
+            await asyncio.sleep(GAUGE_PERIOD_S)
+            now = time.monotonic()
+            for peer in [p for p, s in self.sessions.items() if now - s.last_seen > idle]:
+                del self.sessions[peer]
+            self.stats.sessions.set(len(self.sessions))
+            self._on_monitor()
+            self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        store = self.store
+        self.stats.keys.set(store.keys_total)
+        self.stats.memory_bytes.set(store.used_bytes)
+        if store.spill is not None:
+            self.stats.spill_bytes.set(store.spill.used_bytes)
+
+    def _evicted(self, key: str, spilled: bool) -> None:
+        self.stats.evicted_to["spill" if spilled else "drop"].inc()
+
+
+def _zmq_host(host: str) -> str:
+    """ZMQ wants an interface or an address: resolve a host name once."""
+    if host in ("", "0.0.0.0", "*"):
+        return "*"
+    with contextlib.suppress(OSError):
+        return socket.gethostbyname(host)
+    return host

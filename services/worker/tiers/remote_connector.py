@@ -1,0 +1,118 @@
+"""The interface of a remote store behind the remote tier, and the URL that picks one.
+
+| URL | connector |
+|---|---|
+| `kvmesh://host:port` | the cache-server (remote_kvmesh.py) |
+| `redis://[user:pass@]host:port[/db]`, `rediss://...` | one Redis, plain or TLS (remote_redis.py) |
+| `redis-cluster://[user:pass@]host:port[,host:port...]` | a Redis Cluster (remote_redis.py) |
+| `fs:///path` | a shared filesystem, disk-tier file format (remote_fs.py) |
+
+A connector's coroutines run on the engine's event loop; the tier applies deadlines
+around them and treats any exception as a failed request (a miss).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+from kvmesh.common.keys import ChunkKey
+from kvmesh.services.worker.tiers.remote_codec import ValueHeader
+
+SCHEMES = ("kvmesh", "redis", "rediss", "redis-cluster", "fs")
+
+
+@dataclass(slots=True)
+class Fetched:
+    """A value read back: its parsed header and its payload (still to be verified).
+    `keepalive` holds whatever owns the payload's memory (e.g. a ZMQ frame)."""
+
+    header: ValueHeader
+    payload: memoryview | bytes
+    keepalive: Any = None
+
+
+class Connector(Protocol):
+    scheme: str
+    # Whether values may be stored compressed (fs:// keeps the disk tier's format).
+    compresses: bool
+
+    @property
+    def display(self) -> str:
+        """The URL without credentials, for logs."""
+        ...
+
+    async def reconnect(self) -> None:
+        """(Re)open the connection; also the first open."""
+        ...
+
+    async def ping(self) -> None: ...
+
+    async def put(self, key: ChunkKey, header: ValueHeader, packed: bytes, payload: Any) -> None:
+        """Store the value; returns once the payload's memory is no longer needed."""
+        ...
+
+    async def get(self, key: ChunkKey) -> Fetched | None: ...
+
+    async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]: ...
+
+    async def delete(self, keys: Sequence[ChunkKey]) -> int: ...
+
+    async def clear(self, namespace_ids: Sequence[str]) -> int:
+        """Delete every value of these namespaces; how many were deleted."""
+        ...
+
+    def connected(self) -> bool | None:
+        """False when the connector knows its connection is gone; None if it cannot tell."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def redact(url: str) -> str:
+    """url with any password replaced by ***."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return parts._replace(netloc=netloc).geturl()
+
+
+def make_connector(url: str, *, key_prefix: str = "kvmesh:", timeout_s: float = 1.0) -> Connector:
+    """The connector for url (ValueError for an unknown scheme or a malformed URL)."""
+    scheme = url.partition("://")[0].lower()
+    if scheme == "kvmesh":
+        from kvmesh.services.worker.tiers.remote_kvmesh import KvmeshConnector
+
+        return KvmeshConnector(url, key_prefix=key_prefix, timeout_s=timeout_s)
+    if scheme in ("redis", "rediss", "redis-cluster"):
+        from kvmesh.services.worker.tiers.remote_redis import RedisConnector
+
+        return RedisConnector(url, key_prefix=key_prefix, timeout_s=timeout_s)
+    if scheme == "fs":
+        from kvmesh.services.worker.tiers.remote_fs import FsConnector
+
+        return FsConnector(url)
+    raise ValueError(f"unknown remote URL scheme {scheme!r} in {redact(url)!r}; use {SCHEMES}")
+
+
+def host_ports(netloc: str, default_port: int) -> list[tuple[str, int]]:
+    """`h1:p1,h2:p2` (credentials already stripped) as [(host, port)]; IPv6 in []."""
+    out: list[tuple[str, int]] = []
+    for part in filter(None, netloc.split(",")):
+        if part.startswith("["):
+            host, _, rest = part[1:].partition("]")
+            port = rest.removeprefix(":")
+        else:
+            host, _, port = part.rpartition(":") if ":" in part else (part, "", "")
+        if not host:
+            raise ValueError(f"no host in {part!r}")
+        try:
+            out.append((host, int(port) if port else default_port))
+        except ValueError:
+            raise ValueError(f"bad port in {part!r}") from None
+    if not out:
+        raise ValueError("no host:port given")
+    return out

@@ -1,0 +1,165 @@
+"""`fs:///path`: a filesystem every worker mounts (NFS, CephFS, Lustre...).
+
+Files use the disk tier's format (disk_format.py: a 4 KiB self-describing header with
+the key, shape, dtype, format and checksums, then the raw chunk), laid out the same
+way: `<path>/<namespace id>/<ns id>-<hash>.kv`. Writes go to a hidden temporary name
+and are renamed into place, so readers on other hosts never see half a file. Values
+are never compressed here (the format has no codec field).
+
+Nothing here evicts: bound the directory with the filesystem's quota or a periodic
+cleaner (oldest access first). All I/O runs on a small thread pool, so a slow mount
+delays only the requests that touch it, and the tier's deadlines still apply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvmesh.common.keys import ChunkKey
+from kvmesh.services.worker.tiers.disk_format import (
+    HEADER_SIZE,
+    ChunkHeader,
+    HeaderError,
+    chunk_file_name,
+    pack_header,
+    parse_header,
+    temp_file_name,
+)
+from kvmesh.services.worker.tiers.remote_codec import Codec, CorruptValue, ValueHeader
+from kvmesh.services.worker.tiers.remote_connector import Fetched
+
+IO_THREADS = 4
+
+
+class FsConnector:
+    scheme = "fs"
+    compresses = False
+
+    def __init__(self, url: str) -> None:
+        path = url.partition("://")[2]
+        if not path.startswith("/"):
+            raise ValueError(f"fs:// needs an absolute path (fs:///data/kv), got {url!r}")
+        self.root = Path(path)
+        self._url = url
+        self._run = uuid.uuid4().hex[:12]
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    @property
+    def display(self) -> str:
+        return self._url
+
+    def connected(self) -> bool | None:
+        return None
+
+    def _path(self, key: ChunkKey) -> Path:
+        return self.root / key.namespace_id / chunk_file_name(key)
+
+    async def _io(self, fn: Any, *args: Any) -> Any:
+        if self._pool is None:
+            raise ConnectionError("not open")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def reconnect(self) -> None:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(IO_THREADS, "kvmesh-remote-fs")
+        await self._io(self._check_root)
+
+    def _check_root(self) -> None:
+        if not self.root.is_dir():
+            raise FileNotFoundError(f"{self.root} is not a directory")
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise PermissionError(f"{self.root} is not writable")
+
+    async def ping(self) -> None:
+        await self._io(self._check_root)
+
+    async def put(self, key: ChunkKey, header: ValueHeader, packed: bytes, payload: Any) -> None:
+        if header.codec is not Codec.NONE:
+            raise ValueError("fs:// stores chunks uncompressed")
+        await self._io(self._write, key, header, payload)
+
+    def _write(self, key: ChunkKey, header: ValueHeader, payload: Any) -> None:
+        disk_header = ChunkHeader(
+            key,
+            header.shape,
+            header.dtype,
+            header.fmt,
+            header.raw_len,
+            header.checksum,
+            time.time_ns(),
+        )
+        final = self._path(key)
+        final.parent.mkdir(exist_ok=True)
+        tmp = final.parent / temp_file_name(key, self._run)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(pack_header(disk_header))  # type: ignore[arg-type]
+                f.write(payload)
+            os.replace(tmp, final)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    async def get(self, key: ChunkKey) -> Fetched | None:
+        data = await self._io(self._read, key)
+        if data is None:
+            return None
+        try:
+            h = parse_header(data)
+        except HeaderError as exc:
+            raise CorruptValue(str(exc)) from None
+        if len(data) != h.file_size:
+            raise CorruptValue(f"file of {len(data)} bytes, header says {h.file_size}")
+        header = ValueHeader(
+            h.key, h.shape, h.dtype, h.fmt, Codec.NONE, h.payload_len, h.payload_len, h.checksum
+        )
+        return Fetched(header, memoryview(data)[HEADER_SIZE:], data)
+
+    def _read(self, key: ChunkKey) -> bytes | None:
+        try:
+            with open(self._path(key), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        return await self._io(lambda: [self._path(k).is_file() for k in keys])
+
+    async def delete(self, keys: Sequence[ChunkKey]) -> int:
+        return await self._io(self._unlink_all, [self._path(k) for k in keys])
+
+    @staticmethod
+    def _unlink_all(paths: list[Path]) -> int:
+        n = 0
+        for p in paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+                n += 1
+        return n
+
+    async def clear(self, namespace_ids: Sequence[str]) -> int:
+        def run() -> int:
+            n = 0
+            for ns in namespace_ids:
+                d = self.root / ns
+                if d.is_dir():
+                    n += sum(1 for p in d.iterdir() if p.name.endswith(".kv"))
+                    shutil.rmtree(d, ignore_errors=True)
+            return n
+
+        return await self._io(run)
+
+    async def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)

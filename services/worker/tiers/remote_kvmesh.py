@@ -1,0 +1,96 @@
+"""`kvmesh://host:port`: the cache-server, through its asyncio client.
+
+The chunk header rides in the value's meta and the payload is the value itself, so
+neither side copies the payload into a bigger buffer. Keys are `key_prefix +
+ChunkKey.to_str()`. The client notices a lost connection at once (socket monitor),
+which the tier's health monitor reads through `connected()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvmesh.common.keys import ChunkKey
+from kvmesh.common.transport.cacheserver_client import CacheServerClient
+from kvmesh.services.worker.tiers.remote_codec import ValueHeader, parse_header
+from kvmesh.services.worker.tiers.remote_connector import Fetched, host_ports
+
+DEFAULT_PORT = 7620
+CLEAR_PAGE = 1000
+
+
+class KvmeshConnector:
+    scheme = "kvmesh"
+    compresses = True
+
+    def __init__(self, url: str, *, key_prefix: str = "kvmesh:", timeout_s: float = 1.0) -> None:
+        rest = url.partition("://")[2].split("/", 1)[0]
+        (host, port), *more = host_ports(rest, DEFAULT_PORT)
+        if more:
+            raise ValueError("kvmesh:// takes one host:port")
+        host = f"[{host}]" if ":" in host else host
+        self.endpoint = f"tcp://{host}:{port}"
+        self._url = url
+        self.prefix = key_prefix
+        self.timeout_s = timeout_s
+        self.client: CacheServerClient | None = None
+
+    @property
+    def display(self) -> str:
+        return self._url
+
+    def _name(self, key: ChunkKey) -> str:
+        return self.prefix + key.to_str()
+
+    def _client(self) -> CacheServerClient:
+        if self.client is None:
+            raise ConnectionError("not connected")
+        return self.client
+
+    def connected(self) -> bool | None:
+        return self.client is not None and self.client.connected
+
+    async def reconnect(self) -> None:
+        if self.client is None:
+            self.client = CacheServerClient(self.endpoint, timeout_s=self.timeout_s)
+            await self.client.connect()
+        else:
+            await self.client.reconnect()
+
+    async def ping(self) -> None:
+        await self._client().health()
+
+    async def put(self, key: ChunkKey, header: ValueHeader, packed: bytes, payload: Any) -> None:
+        await self._client().put(self._name(key), payload, packed)
+
+    async def get(self, key: ChunkKey) -> Fetched | None:
+        value = await self._client().get(self._name(key))
+        if value is None:
+            return None
+        return Fetched(parse_header(value.meta), value.data, value)
+
+    async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        return await self._client().exists_many([self._name(k) for k in keys])
+
+    async def delete(self, keys: Sequence[ChunkKey]) -> int:
+        return sum(await self._client().delete_many([self._name(k) for k in keys]))
+
+    async def clear(self, namespace_ids: Sequence[str]) -> int:
+        client = self._client()
+        n = 0
+        for ns in namespace_ids:
+            batch: list[str] = []
+            async for name in client.list_keys(self.prefix + ns, CLEAR_PAGE):
+                batch.append(name)
+                if len(batch) >= CLEAR_PAGE:
+                    n += sum(await client.delete_many(batch))
+                    batch = []
+            if batch:
+                n += sum(await client.delete_many(batch))
+        return n
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+            self.client = None

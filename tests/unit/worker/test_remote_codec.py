@@ -1,0 +1,122 @@
+"""The remote value format: exact round trips, compression only when it pays, and every
+kind of damage caught as CorruptValue (never wrong bytes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmesh.common.keys import ChunkKey
+from kvmesh.common.memory import HostMemoryPool, MemoryFormat
+from kvmesh.services.worker.tiers.remote_codec import (
+    HEADER_SIZE,
+    Codec,
+    CorruptValue,
+    decode_into,
+    encode,
+    parse_header,
+)
+
+KEY = ChunkKey("0123456789abcdef", bytes(range(16)))
+OTHER = ChunkKey("0123456789abcdef", bytes(16))
+SHAPE = (2, 2, 16, 64)
+
+
+@pytest.fixture
+def pool():
+    p = HostMemoryPool(4 << 20, 64 * 1024, pin_memory=False)
+    yield p
+    p.close()
+
+
+def chunk(pool: HostMemoryPool, compressible: bool = False, dtype=torch.float16):
+    obj = pool.allocate(torch.Size(SHAPE), dtype, MemoryFormat.KV_2LTD)
+    if compressible:
+        obj.tensor.zero_()
+        obj.tensor[0, 0, 0, :8] = 1.5
+    else:
+        obj.raw.copy_(torch.randint(0, 256, (obj.nbytes,), dtype=torch.uint8))
+    return obj
+
+
+@pytest.mark.parametrize("codec", list(Codec), ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_round_trip_is_bitwise_exact(pool, codec: Codec, dtype) -> None:
+    src = chunk(pool, compressible=True, dtype=dtype)
+    header, packed, payload = encode(KEY, src, codec, 0.05)
+    assert len(packed) == HEADER_SIZE
+    assert header.codec is codec  # zeros compress well under either codec
+    if codec is not Codec.NONE:
+        assert len(payload) < src.nbytes / 10
+    parsed = parse_header(packed)
+    assert parsed == header
+    dst = decode_into(KEY, parsed, payload, pool)
+    assert dst is not None and dst is not src
+    assert torch.equal(dst.raw, src.raw)
+    assert (tuple(dst.shape), dst.dtype, dst.fmt) == (SHAPE, dtype, MemoryFormat.KV_2LTD)
+    assert dst.key == KEY and dst.checksum == header.checksum
+    dst.ref_down()
+    src.ref_down()
+
+
+def test_incompressible_chunks_are_sent_raw_without_a_copy(pool) -> None:
+    src = chunk(pool)
+    header, _, payload = encode(KEY, src, Codec.ZSTD, 0.05)
+    assert header.codec is Codec.NONE and header.stored_len == src.nbytes
+    assert isinstance(payload, memoryview)  # a view of the L1 page itself
+    src.ref_down()
+
+
+def damaged(pool, how: str):
+    src = chunk(pool)
+    _, packed, payload = encode(KEY, src, Codec.NONE)
+    payload = bytearray(payload)
+    packed = bytearray(packed)
+    key = KEY
+    if how == "payload-bit":
+        payload[100] ^= 1
+    elif how == "header-bit":
+        packed[30] ^= 1
+    elif how == "magic":
+        packed[:4] = b"NOPE"
+    elif how == "truncated":
+        payload = payload[:-1]
+    elif how == "other-key":
+        key = OTHER
+    elif how == "short-header":
+        packed = packed[:50]
+    src.ref_down()
+    return key, bytes(packed), bytes(payload)
+
+
+@pytest.mark.parametrize(
+    "how", ["payload-bit", "header-bit", "magic", "truncated", "other-key", "short-header"]
+)
+def test_damage_is_caught_and_nothing_leaks(pool, how: str) -> None:
+    key, packed, payload = damaged(pool, how)
+    free_before = pool.free_pages
+    with pytest.raises(CorruptValue):
+        decode_into(key, parse_header(packed), payload, pool)
+    assert pool.free_pages == free_before, "a buffer of a rejected value leaked"
+
+
+def test_corrupt_compressed_payload_is_caught(pool) -> None:
+    src = chunk(pool, compressible=True)
+    header, _, payload = encode(KEY, src, Codec.LZ4, 0.05)
+    bad = bytearray(payload)
+    bad[len(bad) // 2] ^= 0xFF
+    with pytest.raises(CorruptValue):
+        decode_into(KEY, header, bytes(bad), pool)
+    src.ref_down()
+
+
+def test_a_full_allocator_is_a_miss_not_an_error(pool) -> None:
+    src = chunk(pool)
+    header, _, payload = encode(KEY, src, Codec.NONE)
+
+    class Full:
+        def allocate(self, *a):
+            return None
+
+    assert decode_into(KEY, header, payload, Full()) is None
+    src.ref_down()
