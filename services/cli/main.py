@@ -5,8 +5,10 @@ from __future__ import annotations
 import click
 
 from kvmesh import __version__
+from kvmesh.services.cli.cacheserver_cmd import cacheserver
 from kvmesh.services.cli.config_cmd import config
 from kvmesh.services.cli.demo_cmd import demo
+from kvmesh.services.cli.disk_cmd import disk
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -20,8 +22,10 @@ def serve() -> None:
     """Start a kvmesh service (controller, lookup, cacheserver, bridge)."""
 
 
+serve.add_command(cacheserver)
 cli.add_command(config)
 cli.add_command(demo)
+cli.add_command(disk)
 
 
 def main() -> None:

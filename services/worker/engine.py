@@ -12,7 +12,8 @@ import asyncio
 import concurrent.futures
 import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
+from pathlib import Path
 
 import torch
 
@@ -29,8 +30,12 @@ from kvmesh.services.worker.mla import MLABroadcast
 from kvmesh.services.worker.pins import LookupPins
 from kvmesh.services.worker.stats import EngineStats
 from kvmesh.services.worker.storage_manager import StorageManager
+from kvmesh.services.worker.tenants import TenantDatabases
 from kvmesh.services.worker.tiers.base import Tier
+from kvmesh.services.worker.tiers.disk import DiskTier
 from kvmesh.services.worker.tiers.host import AllocationError, HostTier
+from kvmesh.services.worker.tiers.remote import RemoteTier
+from kvmesh.services.worker.tiers.remote_connector import make_connector
 
 log = get_logger(__name__)
 
@@ -79,6 +84,8 @@ class KVEngine:
             save_unfull_chunk=config.save_unfull_chunk,
             hash_algorithm=config.hash_algorithm,
         )
+        self.tenants = TenantDatabases(self.tokendb)
+        self._close_hooks: list[Callable[[], None]] = []
 
         page = self.layout.chunk_nbytes(config.chunk_size)
         self.pool = HostMemoryPool(
@@ -92,10 +99,22 @@ class KVEngine:
             alloc_timeout_s=config.l1.alloc_timeout_s,
             on_evict=self._on_evict,
         )
+        lower: list[Tier] = list(lower_tiers)
+        # MLA ranks other than 0 store nothing: they get their KV from rank 0.
+        with_disk = config.disk.enabled and not (self.is_mla and rank != 0)
+        with_remote = config.remote.enabled and not (self.is_mla and rank != 0)
+        names = [l1.name, *(["disk"] if with_disk else []), *(t.name for t in lower)]
+        names += ["remote"] if with_remote else []
+        self.stats = EngineStats(instance_id, rank, names)
+        if with_disk:
+            # L3 comes before the tiers passed in (remote ones, slower than a local disk).
+            lower.insert(0, self._make_disk_tier())
+        if with_remote:
+            # L4, the slowest: after the local disk and any tiers passed in.
+            lower.append(self._make_remote_tier())
         self.storage = StorageManager(
-            l1, lower_tiers, self.loop, self.events, max_inflight_io=config.max_inflight_io
+            l1, lower, self.loop, self.events, max_inflight_io=config.max_inflight_io
         )
-        self.stats = EngineStats(instance_id, rank, [t.name for t in self.storage.tiers])
         self.stats.l1_capacity.set(self.pool.capacity_bytes)
         self.pins = LookupPins(self.storage.unpin, config.pin_timeout_s)
         self._mla = MLABroadcast(mla_group, rank) if self.is_mla and world_size > 1 else None
@@ -110,6 +129,29 @@ class KVEngine:
             page_bytes=self.pool.page_size,
             mla=self.is_mla,
         )
+
+    def _make_disk_tier(self) -> DiskTier:
+        """The L3 tier in `<disk.path>/<namespace id>/`, sharing the engine's metrics."""
+        cfg = self.config.disk
+        return DiskTier(
+            Path(cfg.path) / self.namespace.ns_id,
+            int(cfg.max_size),
+            io_threads=cfg.io_threads,
+            o_direct=cfg.o_direct,
+            eviction_policy=cfg.eviction_policy,
+            retry_s=cfg.retry_s,
+            max_pending_puts=cfg.max_pending_puts,
+            metrics=self.stats.metrics,
+        )
+
+    def _make_remote_tier(self) -> RemoteTier:
+        """The L4 tier on the engine's loop, chosen by `remote.url`; it closes (on the
+        loop) before the loop stops."""
+        cfg = self.config.remote
+        connector = make_connector(cfg.url, key_prefix=cfg.key_prefix, timeout_s=cfg.timeout_s)
+        tier = RemoteTier(connector, self.loop, cfg, metrics=self.stats.metrics)
+        self.add_close_hook(tier.close)
+        return tier
 
     # -- bookkeeping ------------------------------------------------------------------
     def _on_evict(self, key: ChunkKey, obj: MemoryObj) -> None:
@@ -143,8 +185,11 @@ class KVEngine:
         self.copier = copier
         self.layout = copier.layout
 
-    def chunks(self, tokens: Tokens, mask: torch.Tensor | None = None) -> list[Chunk]:
-        return list(self.tokendb.process_tokens(tokens, mask))
+    def chunks(
+        self, tokens: Tokens, mask: torch.Tensor | None = None, tenant: str = ""
+    ) -> list[Chunk]:
+        """(start, end, key) per chunk; a tenant keys them in its own namespace."""
+        return list(self.tenants.get(tenant).process_tokens(tokens, mask))
 
     def _new_chunk_obj(self, num_tokens: int) -> MemoryObj:
         return self.storage.l1.allocate(
@@ -156,7 +201,12 @@ class KVEngine:
 
     # -- store ------------------------------------------------------------------------
     def store(
-        self, tokens: Tokens, slot_mapping: torch.Tensor, mask: torch.Tensor | None = None
+        self,
+        tokens: Tokens,
+        slot_mapping: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        *,
+        tenant: str = "",
     ) -> int:
         """Copy the KV of tokens' full chunks out of the paged cache into the cache.
 
@@ -172,7 +222,7 @@ class KVEngine:
             return 0
         stored = 0
         l1 = self.storage.l1
-        for start, end, key in self.tokendb.process_tokens(tokens, mask):
+        for start, end, key in self.chunks(tokens, mask, tenant):
             if l1.contains(key):
                 l1.touch(key)
                 continue
@@ -197,14 +247,21 @@ class KVEngine:
         self.stats.latency["store"].observe(time.perf_counter() - t0)
 
     # -- lookup -----------------------------------------------------------------------
-    def lookup(self, tokens: Tokens, lookup_id: str | None = None, pin: bool = True) -> int:
+    def lookup(
+        self,
+        tokens: Tokens,
+        lookup_id: str | None = None,
+        pin: bool = True,
+        *,
+        tenant: str = "",
+    ) -> int:
         """How many leading tokens the cache holds. With a lookup id and pin, what was
         counted stays until the matching retrieve, `release_lookup`, or the pin timeout."""
         self._check_open()
         t0 = time.perf_counter()
         self.stats.requests["lookup"].inc()
         self.stats.tokens_requested["lookup"].inc(len(tokens))
-        chunks = self.chunks(tokens)
+        chunks = self.chunks(tokens, tenant=tenant)
         keys = [key for _, _, key in chunks]
         do_pin = pin and lookup_id is not None
         n, per_tier, pinned = self.storage.prefix_hits(keys, pin=do_pin)
@@ -235,6 +292,8 @@ class KVEngine:
         slot_mapping: torch.Tensor,
         mask: torch.Tensor | None = None,
         lookup_id: str | None = None,
+        *,
+        tenant: str = "",
     ) -> torch.Tensor:
         """Load the longest cached prefix into the paged cache at slot_mapping.
 
@@ -246,7 +305,7 @@ class KVEngine:
         self.stats.requests["retrieve"].inc()
         self.stats.tokens_requested["retrieve"].inc(len(tokens))
         loaded = torch.zeros(len(tokens), dtype=torch.bool)
-        chunks = self.chunks(tokens, mask)
+        chunks = self.chunks(tokens, mask, tenant)
         try:
             if self._mla is not None:
                 self._mla.retrieve(self, chunks, slot_mapping, loaded)
@@ -293,11 +352,16 @@ class KVEngine:
 
     # -- layer by layer ----------------------------------------------------------------
     def store_layer(
-        self, tokens: Tokens, slot_mapping: torch.Tensor, mask: torch.Tensor | None = None
+        self,
+        tokens: Tokens,
+        slot_mapping: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        *,
+        tenant: str = "",
     ) -> Generator[int, None, int]:
         """Store layer by layer: call next() after each layer's KV is in the paged
         cache; the call after the last layer commits and returns the tokens stored."""
-        return layerwise.store_layers(self, tokens, slot_mapping, mask)
+        return layerwise.store_layers(self, tokens, slot_mapping, mask, tenant)
 
     def retrieve_layer(
         self,
@@ -305,18 +369,22 @@ class KVEngine:
         slot_mapping: torch.Tensor,
         mask: torch.Tensor | None = None,
         lookup_id: str | None = None,
+        *,
+        tenant: str = "",
     ) -> Generator[torch.Tensor, None, torch.Tensor]:
         """Load layer by layer: each next() loads one more layer (yielding the mask of
         tokens being loaded); the call after the last layer returns that mask."""
-        return layerwise.retrieve_layers(self, tokens, slot_mapping, mask, lookup_id)
+        return layerwise.retrieve_layers(self, tokens, slot_mapping, mask, lookup_id, tenant)
 
     # -- prefetch ---------------------------------------------------------------------
-    def prefetch(self, tokens: Tokens, lookup_id: str) -> concurrent.futures.Future[int]:
+    def prefetch(
+        self, tokens: Tokens, lookup_id: str, *, tenant: str = ""
+    ) -> concurrent.futures.Future[int]:
         """Look up tokens and pull lower-tier hits into L1, pinned under lookup_id until
         the matching retrieve, `release_lookup`, or the pin timeout. The future gives
         the hit tokens."""
         self._check_open()
-        chunks = self.chunks(tokens)
+        chunks = self.chunks(tokens, tenant=tenant)
         fut = self.loop.submit(self._prefetch(chunks, lookup_id))
         self._prefetches[lookup_id] = fut
         fut.add_done_callback(lambda _f: self._prefetches.pop(lookup_id, None))
@@ -357,12 +425,19 @@ class KVEngine:
     def frozen(self) -> bool:
         return self._frozen
 
+    def add_close_hook(self, hook: Callable[[], None]) -> None:
+        """Call hook first thing in close(), while the event loop still runs (servers
+        that live on the loop stop there). Hooks run in reverse order of adding."""
+        self._close_hooks.append(hook)
+
     def close(self) -> None:
         """Release every resource: pins, the event loop thread, tiers, the pool."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+        for hook in reversed(self._close_hooks):
+            hook()
         for fut in list(self._prefetches.values()):
             fut.cancel()
         self.pins.release_all()

@@ -27,6 +27,7 @@ def store_layers(
     tokens: Sequence[int] | torch.Tensor,
     slot_mapping: torch.Tensor,
     mask: torch.Tensor | None,
+    tenant: str = "",
 ) -> Generator[int, None, int]:
     engine._check_open()
     engine.stats.requests["store"].inc()
@@ -35,7 +36,7 @@ def store_layers(
     pending = []
     if engine._stores_here():
         l1 = engine.storage.l1
-        for start, end, key in engine.chunks(tokens, mask):
+        for start, end, key in engine.chunks(tokens, mask, tenant):
             if l1.contains(key):
                 continue
             try:
@@ -76,13 +77,14 @@ def retrieve_layers(
     slot_mapping: torch.Tensor,
     mask: torch.Tensor | None,
     lookup_id: str | None,
+    tenant: str = "",
 ) -> Generator[torch.Tensor, None, torch.Tensor]:
     engine._check_open()
     t0 = time.perf_counter()
     engine.stats.requests["retrieve"].inc()
     engine.stats.tokens_requested["retrieve"].inc(len(tokens))
     loaded = torch.zeros(len(tokens), dtype=torch.bool)
-    chunks = engine.chunks(tokens, mask)
+    chunks = engine.chunks(tokens, mask, tenant)
     objs, sources = engine.storage.get_prefix([k for _, _, k in chunks])
     usable = []
     for (start, end, _), obj, source in zip(chunks, objs, sources, strict=False):

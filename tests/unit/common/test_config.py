@@ -384,3 +384,50 @@ def test_config_to_dict_round_trips() -> None:
     assert raw["engine"]["l1"]["max_size"] == 1536 * MiB
     # Plain builtins: a JSON encoder needs no hooks.
     assert msgspec.json.decode(msgspec.json.encode(raw)) == raw
+
+
+# --- engine.disk ---------------------------------------------------------------------------
+
+
+def test_disk_defaults_off_with_no_path() -> None:
+    disk = KvmeshConfig().engine.disk
+    assert (disk.enabled, disk.path, disk.max_size) == (False, "", 50 * GiB)
+    assert (disk.io_threads, disk.o_direct, disk.eviction_policy) == (4, True, "lru")
+    assert (disk.retry_s, disk.max_pending_puts) == (30.0, 256)
+
+
+def test_disk_from_env_and_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "engine:\n  disk:\n    enabled: true\n    max_size: 2GiB\n")
+    env = {"KVMESH_ENGINE__DISK__PATH": "1.0", "KVMESH_ENGINE__DISK__IO_THREADS": "8"}
+    disk = load_config(path, env=env).engine.disk
+    assert disk.enabled and disk.max_size == 2 * GiB
+    assert disk.path == "1.0"  # a string field takes the text as written
+    assert disk.io_threads == 8
+
+
+def test_disk_rules_name_the_key_to_change(tmp_path: Path) -> None:
+    err = load_error(write(tmp_path, "engine:\n  disk:\n    enabled: true\n"))
+    assert err.key == "engine.disk.path"
+    assert "must be set while disk is enabled" in str(err)
+    assert "line 3" in str(err)  # where enabled was set
+    err = load_error(overrides={"engine.disk": {"enabled": True, "path": "/x", "max_size": "1KiB"}})
+    assert err.key == "engine.disk.max_size" and "at least 1MiB" in str(err)
+    # Off, nothing is required.
+    assert load_config(env={}, overrides={"engine.disk.max_size": 0}).engine.disk.max_size == 0
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "words"),
+    [
+        ("engine.disk.io_threads", 0, ">= 1"),
+        ("engine.disk.io_threads", 65, "<= 64"),
+        ("engine.disk.retry_s", 0, "> 0"),
+        ("engine.disk.max_pending_puts", 0, ">= 1"),
+        ("engine.disk.eviction_policy", "lru2", "expected one of"),
+        ("engine.disk.o_direct", "maybe", "expected bool"),
+        ("engine.disk.max_size", "-5GiB", "negative"),
+    ],
+)
+def test_disk_impossible_values(key: str, value: object, words: str) -> None:
+    err = load_error(overrides={key: value})
+    assert err.key == key and words in str(err)

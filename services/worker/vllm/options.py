@@ -1,0 +1,106 @@
+"""What the connector reads from vLLM: `kv_connector_extra_config` and per-request
+`kv_transfer_params`, both decoded into typed Structs that reject unknown keys.
+
+kv_connector_extra_config (every key optional):
+
+    config            the kvmesh configuration as a dict ({"engine": {...}, ...})
+    config_path       a kvmesh YAML file; with `config` too, `config` overrides it
+    instance_id       names this vLLM instance's engines (default: vLLM's engine id,
+                      plus "-dp<rank>" under data parallelism)
+    lookup_timeout_s  the scheduler's deadline for asking the workers (default 0.5)
+
+With `config` alone the dict is the whole configuration (no file, no environment);
+with `config_path`, or with neither, the usual layers apply (defaults < file or
+$KVMESH_CONFIG < KVMESH_* environment < `config`).
+
+kv_transfer_params of a request may carry `{"kvmesh": {...}}`:
+
+    skip_save   bool  do not store this request's KV
+    skip_load   bool  do not look up or load cached KV for it
+    tenant      str   a tenant salt: its chunks are shared only with requests of the
+                      same tenant
+
+A request whose kvmesh params do not decode is served without the cache (neither
+loaded nor saved): a typo in a tenant name must not leak another tenant's KV.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Annotated, Any
+
+import msgspec
+
+from kvmesh.common.config import ConfigError, KvmeshConfig, config_from_dict, load_config
+from kvmesh.common.config.fields import close_match
+from kvmesh.services.worker.tenants import check_tenant
+
+EXTRA_CONFIG_SOURCE = "kv_connector_extra_config"
+
+
+class ConnectorOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    config: dict[str, Any] | None = None
+    config_path: str | None = None
+    instance_id: str | None = None
+    lookup_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 0.5
+
+
+class RequestOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    skip_save: bool = False
+    skip_load: bool = False
+    tenant: str = ""
+
+    def __post_init__(self) -> None:
+        check_tenant(self.tenant)
+
+
+DEFAULT_REQUEST = RequestOptions()
+# A request that must not touch the cache at all (its params were malformed).
+NO_CACHE = RequestOptions(skip_save=True, skip_load=True)
+
+
+def parse_extra_config(extra: Mapping[str, Any] | None) -> tuple[ConnectorOptions, KvmeshConfig]:
+    """The connector's options and the kvmesh config; ValueError naming the bad key."""
+    extra = dict(extra or {})
+    known = ConnectorOptions.__struct_fields__
+    for key in extra:
+        if key not in known:
+            near = close_match(str(key), list(known))
+            hint = f"; did you mean {near!r}?" if near else f"; known keys: {', '.join(known)}"
+            raise ValueError(f"{EXTRA_CONFIG_SOURCE}: unknown key {key!r}{hint}")
+    try:
+        options = msgspec.convert(extra, ConnectorOptions)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"{EXTRA_CONFIG_SOURCE}: {exc}") from None
+    return options, _kvmesh_config(options)
+
+
+def _kvmesh_config(options: ConnectorOptions) -> KvmeshConfig:
+    try:
+        if options.config is not None and options.config_path is None:
+            return config_from_dict(options.config, source=EXTRA_CONFIG_SOURCE)
+        if options.config_path is not None and not os.path.isfile(options.config_path):
+            raise ValueError(
+                f"{EXTRA_CONFIG_SOURCE}: config_path {options.config_path!r} is not a file"
+            )
+        return load_config(
+            options.config_path,
+            overrides=options.config,
+            overrides_label=EXTRA_CONFIG_SOURCE,
+        )
+    except ConfigError as exc:
+        # The message lists every bad key with where it was set.
+        raise ValueError(f"invalid kvmesh configuration: {exc}") from None
+
+
+def parse_request_options(params: Mapping[str, Any] | None) -> tuple[RequestOptions, str | None]:
+    """A request's kvmesh options, and the problem when they are malformed (the
+    options are then NO_CACHE)."""
+    if not params or "kvmesh" not in params:
+        return DEFAULT_REQUEST, None
+    raw = params["kvmesh"]
+    try:
+        return msgspec.convert(raw, RequestOptions), None
+    except (msgspec.ValidationError, ValueError, TypeError) as exc:
+        return NO_CACHE, f"kv_transfer_params.kvmesh: {exc}"

@@ -1,0 +1,256 @@
+"""A real cache-server process: every operation through the client, batches, listing,
+stats, the HTTP health endpoint, limits, spill, and bad input on the ZMQ listener (each
+answered with an error or a closed connection while other clients go on unharmed)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import time
+import urllib.request
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+from kvtest.remote import CacheServerProcess
+
+from kvmesh.common.protocol import cacheserver as proto
+from kvmesh.common.transport.cacheserver_client import (
+    BadRequestError,
+    CacheServerClient,
+    CacheServerUnavailable,
+    ServerBusyError,
+    ValueTooLargeError,
+)
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = CacheServerProcess(
+        tmp_path_factory.mktemp("cacheserver"),
+        metrics=True,
+        **{"max-memory": "64MiB", "max-value-size": "4MiB"},
+    ).start()
+    yield srv
+    assert srv.stop() == 0, srv.log.read_text()[-2000:]
+
+
+async def connected(srv: CacheServerProcess, **kw) -> CacheServerClient:
+    client = CacheServerClient(srv.endpoint, timeout_s=kw.pop("timeout_s", 3.0), **kw)
+    await client.connect()
+    return client
+
+
+def test_every_operation_round_trips(server) -> None:
+    async def main() -> None:
+        c = await connected(server)
+        try:
+            value = os.urandom(3 * MiB)
+            checksum = await c.put("ops:big", value, b"meta")
+            got = await c.get("ops:big")
+            assert got is not None and bytes(got.data) == value
+            assert (got.meta, got.checksum) == (b"meta", checksum)
+            assert await c.get("ops:none") is None
+            assert await c.exists("ops:big") and not await c.exists("ops:none")
+            assert await c.delete("ops:big") and not await c.delete("ops:big")
+            stats = await c.stats()
+            assert stats.max_memory == 64 * MiB and stats.connections >= 1
+            health = await c.health()
+            assert health.ok and health.version == proto.PROTOCOL_VERSION
+        finally:
+            await c.close()
+
+    asyncio.run(main())
+
+
+def test_a_100_chunk_batch_is_one_round_trip(server) -> None:
+    async def main() -> None:
+        c = await connected(server)
+        try:
+            items = [(f"batch:{i:03d}", os.urandom(64 * 1024), b"%d" % i) for i in range(100)]
+            assert await c.put_many(items) == [0] * 100
+            rids = next(c._rids)
+            got = await c.get_many([k for k, _, _ in items] + ["batch:none"])
+            assert next(c._rids) == rids + 2, "more than one request went out"
+            assert got[-1] is None
+            for (_, v, m), g in zip(items, got, strict=False):
+                assert g is not None and bytes(g.data) == v and g.meta == m
+            assert await c.exists_many([k for k, _, _ in items]) == [True] * 100
+            listed = [k async for k in c.list_keys("batch:", page=17)]
+            assert sorted(listed) == sorted(k for k, _, _ in items)
+            assert sum(await c.delete_many([k for k, _, _ in items])) == 100
+        finally:
+            await c.close()
+
+    asyncio.run(main())
+
+
+def test_http_health_and_metrics(server) -> None:
+    base = f"http://127.0.0.1:{server.metrics_port}"
+    with urllib.request.urlopen(f"{base}/healthz", timeout=5) as r:
+        body = json.loads(r.read())
+    assert r.status == 200 and body["status"] == "ok"
+    with urllib.request.urlopen(f"{base}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    assert "kvmesh_cacheserver_requests_total" in text
+    assert "kvmesh_cacheserver_memory_bytes" in text
+
+
+def test_values_over_the_limit_are_refused(server) -> None:
+    async def main() -> None:
+        c = await connected(server)
+        try:
+            with pytest.raises(ValueTooLargeError):
+                await c.put("big", bytes(5 * MiB))
+            assert await c.put("small", b"x") > 0  # the session goes on
+        finally:
+            await c.close()
+
+    asyncio.run(main())
+
+
+# -- bad input ---------------------------------------------------------------------------
+
+
+class RawPeer:
+    """A DEALER sending whatever frames a test wants."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    async def ask(self, *frames: bytes, timeout_s: float = 3.0):
+        await self.sock.send_multipart(list(frames))
+        async with asyncio.timeout(timeout_s):
+            reply = await self.sock.recv_multipart()
+        return proto.reply_decoder.decode(reply[0])
+
+    async def hello(self) -> None:
+        reply = await self.ask(proto.encoder.encode(proto.Hello(1, proto.PROTOCOL_VERSION)))
+        assert isinstance(reply, proto.HelloReply)
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def enc(msg) -> bytes:
+    return proto.encoder.encode(msg)
+
+
+def test_bad_input_gets_errors_and_others_are_served(server) -> None:
+    async def main() -> None:
+        good = await connected(server)
+        bad = RawPeer(server.endpoint)
+        try:
+            await good.put("keep", b"value")
+            reply = await bad.ask(enc(proto.GetValue(5, "keep")))  # no hello yet
+            assert (reply.code, reply.rid, reply.retryable) == (proto.ErrorCode.NO_HELLO, 5, True)
+            reply = await bad.ask(enc(proto.Hello(6, proto.PROTOCOL_VERSION + 1)))
+            assert reply.code == proto.ErrorCode.VERSION_MISMATCH
+            await bad.hello()
+            cases = [
+                ([os.urandom(64)], proto.ErrorCode.BAD_MESSAGE),
+                ([msgspec.msgpack.encode(["teleport", 9, "x"])], proto.ErrorCode.UNKNOWN_MESSAGE),
+                ([msgspec.msgpack.encode(["get", 9])], proto.ErrorCode.BAD_MESSAGE),
+                ([enc(proto.PutValue(9, "k"))], proto.ErrorCode.BAD_FRAMES),  # no value
+                ([enc(proto.PutValues(9, ["a", "b"])), b"only one"], proto.ErrorCode.BAD_FRAMES),
+                ([enc(proto.GetValue(9, "x" * 600))], proto.ErrorCode.BAD_KEY),
+                ([b""], proto.ErrorCode.BAD_MESSAGE),
+                ([b"\x93\xa3get\x07\xa2\xff\xfe"], proto.ErrorCode.BAD_MESSAGE),  # bad UTF-8
+            ]
+            for frames, code in cases:
+                reply = await bad.ask(*frames)
+                assert isinstance(reply, proto.ErrorReply) and reply.code == code, (frames, reply)
+                got = await good.get("keep")  # others unaffected, in between each
+                assert got is not None and bytes(got.data) == b"value"
+        finally:
+            bad.close()
+            await good.close()
+
+    asyncio.run(main())
+
+
+def test_non_zmtp_bytes_and_oversized_frames_only_cost_their_connection(server) -> None:
+    for payload in (os.urandom(4096), b"GET / HTTP/1.1\r\n\r\n", b"\xff" * 20):
+        with socket.create_connection(("127.0.0.1", server.port), 2) as s:
+            s.sendall(payload)
+            s.settimeout(0.5)
+            try:
+                while s.recv(4096):
+                    pass  # ZMQ may answer its greeting before it gives up
+            except (TimeoutError, ConnectionResetError):
+                pass
+
+    async def main() -> None:
+        good = await connected(server)
+        big = await connected(server, timeout_s=2.0)
+        try:
+            # Over MAXMSGSIZE (max_value_size + 8 MiB): ZMQ drops that connection.
+            with pytest.raises((CacheServerUnavailable, ValueTooLargeError)):
+                await big.put("huge", bytes(13 * MiB))
+            assert await good.put("after", b"ok") > 0
+            assert (await good.get("after")).data == b"ok"
+        finally:
+            await big.close()
+            await good.close()
+
+    asyncio.run(main())
+
+
+def test_connection_limit_and_spill(tmp_path: Path) -> None:
+    srv = CacheServerProcess(
+        tmp_path,
+        **{
+            "max-memory": "4MiB",
+            "max-value-size": "1MiB",
+            "spill-path": str(tmp_path / "spill"),
+            "spill-max-size": "64MiB",
+        },
+    )
+    os.environ["KVMESH_CACHESERVER__MAX_CONNECTIONS"] = "2"
+    try:
+        srv.start()
+    finally:
+        del os.environ["KVMESH_CACHESERVER__MAX_CONNECTIONS"]
+
+    async def main() -> None:
+        a, b = await connected(srv), await connected(srv)
+        third = CacheServerClient(srv.endpoint, timeout_s=3.0)
+        with pytest.raises(ServerBusyError):
+            await third.connect()
+        await third.close()
+        await b.close()
+        values = {f"s{i}": os.urandom(512 * 1024) for i in range(24)}  # 12 MiB > 4 MiB
+        for k, v in values.items():
+            await a.put(k, v)
+        await asyncio.sleep(0.3)
+        stats = await a.stats()
+        assert stats.spilled_keys > 0 and stats.memory_bytes <= 4 * MiB
+        assert len(list((tmp_path / "spill").glob("*.val"))) > 0
+        for k, v in values.items():  # spilled ones come back from disk, verified
+            got = await a.get(k)
+            assert got is not None and bytes(got.data) == v, k
+        with pytest.raises(BadRequestError):
+            await a.list_page("", "not-a-cursor")
+        await a.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        assert srv.stop() == 0
+
+
+def test_sigterm_stops_it_cleanly(tmp_path: Path) -> None:
+    srv = CacheServerProcess(tmp_path).start()
+    t0 = time.monotonic()
+    assert srv.stop() == 0
+    assert time.monotonic() - t0 < 5

@@ -1,0 +1,174 @@
+"""The cache-server's lm:// listener: LMCache 0.5.6's own client (run from its separate
+venv) stores and reads back chunks; our raw client checks every command, the
+one-write replies (no Nagle stall) and bad input (the connection closes, other clients
+go on)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from kvtest.remote import REPO, CacheServerProcess, lmcache_python
+
+from kvmesh.common.protocol import lmcache_lm as lm
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = CacheServerProcess(
+        tmp_path_factory.mktemp("lm"), lm=True, **{"max-value-size": "8MiB"}
+    ).start()
+    yield srv
+    assert srv.stop() == 0, srv.log.read_text()[-2000:]
+
+
+class LmClient:
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), 5)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.settimeout(5)
+
+    def send(self, command: int, key: str, payload: bytes = b"", shape=(0, 0, 0, 0)) -> None:
+        req = lm.LmRequest(command, len(payload), 1, 2, 1, shape, key)
+        self.sock.sendall(req.pack() + payload)
+
+    def recv_exact(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                raise ConnectionError("closed")
+            buf += chunk
+        return bytes(buf)
+
+    def reply(self) -> lm.LmReply:
+        return lm.parse_reply(self.recv_exact(lm.REPLY_SIZE))
+
+    def get(self, key: str) -> tuple[lm.LmReply, bytes]:
+        self.send(lm.Command.GET, key)
+        head = self.reply()
+        return head, self.recv_exact(head.length) if head.code == 200 else b""
+
+    def closed(self) -> bool:
+        try:
+            return self.sock.recv(1) == b""
+        except ConnectionError:
+            return True
+        except TimeoutError:
+            return False
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_every_command(server) -> None:
+    c = LmClient(server.lm_port)
+    try:
+        value = os.urandom(MiB)
+        c.send(lm.Command.PUT, "m@1@0@abc@half", value, shape=(2, 2, 256, 512))
+        c.send(lm.Command.EXIST, "m@1@0@abc@half")
+        assert c.reply().code == 200
+        c.send(lm.Command.EXIST, "m@1@0@nope@half")
+        assert c.reply().code == 400
+        head, body = c.get("m@1@0@abc@half")
+        assert (head.code, head.length, head.shape, head.location) == (
+            200,
+            MiB,
+            (2, 2, 256, 512),
+            1,
+        )
+        assert body == value
+        head, body = c.get("m@1@0@nope@half")
+        assert (head.code, head.length, body) == (400, 0, b"")
+        c.send(lm.Command.HEALTH, "h")
+        assert c.reply().code == 200
+        c.send(lm.Command.LIST, "l")
+        assert c.reply().code == 400  # not served (LMCache's own server never answers)
+    finally:
+        c.close()
+
+
+def test_small_gets_do_not_stall(server) -> None:
+    """Nagle plus delayed ACK costs ~44 ms per reply sent in two writes; ours is one."""
+    c = LmClient(server.lm_port)
+    try:
+        c.send(lm.Command.PUT, "small", os.urandom(16 * 1024))
+        times = []
+        for _ in range(50):
+            t0 = time.perf_counter()
+            head, _ = c.get("small")
+            times.append(time.perf_counter() - t0)
+            assert head.code == 200
+        times.sort()
+        assert times[len(times) // 2] < 0.01 and times[-3] < 0.03, times
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "random",
+        "unknown-command",
+        "negative-length",
+        "oversized-put",
+        "truncated-payload",
+        "truncated-header",
+    ],
+)
+def test_bad_input_closes_only_that_connection(server, bad: str) -> None:
+    good = LmClient(server.lm_port)
+    evil = LmClient(server.lm_port)
+    try:
+        good.send(lm.Command.PUT, "kept", b"v" * 100)
+        if bad == "random":
+            evil.sock.sendall(os.urandom(lm.REQUEST_SIZE * 3))
+        elif bad == "unknown-command":
+            evil.sock.sendall(struct.pack("=9i", 99, 0, 1, 2, 0, 0, 0, 0, 0) + b"k".ljust(150))
+            assert evil.reply().code == 400
+        elif bad == "negative-length":
+            evil.sock.sendall(struct.pack("=9i", 1, -5, 1, 2, 0, 0, 0, 0, 0) + b"k".ljust(150))
+        elif bad == "oversized-put":
+            evil.sock.sendall(lm.LmRequest(1, 64 * MiB, 1, 2, 1, (0, 0, 0, 0), "huge").pack())
+        elif bad == "truncated-payload":
+            evil.sock.sendall(lm.LmRequest(1, 1000, 1, 2, 1, (0, 0, 0, 0), "t").pack() + b"x" * 10)
+            evil.sock.shutdown(socket.SHUT_WR)
+        elif bad == "truncated-header":
+            evil.sock.sendall(lm.LmRequest(2, 0, 1, 2, 1, (0, 0, 0, 0), "t").pack()[:100])
+            evil.sock.shutdown(socket.SHUT_WR)
+        assert evil.closed()
+        head, body = good.get("kept")
+        assert head.code == 200 and body == b"v" * 100
+    finally:
+        evil.close()
+        good.close()
+
+
+def test_lmcache_client_stores_and_reads_back(server) -> None:
+    """LMCache's StorageManager with remote_url=lm://..., in LMCache's own venv."""
+    python = lmcache_python()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    env.update(PYTHONHASHSEED="0", LMCACHE_LOG_LEVEL="WARNING", PYTHONPATH="")
+    done = subprocess.run(
+        [python, str(REPO / "tests" / "kvtest" / "lmcache_client.py"), str(server.lm_port), "6"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        cwd=Path(__file__).parent,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    result = json.loads(lines[-1])
+    assert result["contains"] == [True] * 6
+    assert result["absent_contains"] is False
+    assert result["equal"] == [True] * 6
+    assert result["missing_get"] is True
