@@ -153,6 +153,7 @@ class EngineConfig(_Section):
     disk: DiskConfig = DiskConfig()
     remote: RemoteConfig = RemoteConfig()
     pin_timeout_s: PositiveSeconds = 30.0
+    close_flush_s: NonNegativeSeconds = 10.0
     layerwise: bool = False
     max_inflight_io: PositiveInt = 64
     # Empty means the default ipc:// path the lookup-server binds on this host.

@@ -109,7 +109,12 @@ class _BoundLabels:
 
     def __getattr__(self, attr: str):
         # Unlabelled use (inc, set, observe) of a metric that has only constant labels.
-        return getattr(self._metric.labels(**self._const), attr)
+        # The child's method is kept on the instance: `.labels()` costs microseconds,
+        # too much for a counter bumped on every request.
+        value = getattr(self._metric.labels(**self._const), attr)
+        if callable(value):
+            setattr(self, attr, value)
+        return value
 
 
 def serve_metrics(metrics: Metrics, port: int, host: str = "127.0.0.1") -> WSGIServer:

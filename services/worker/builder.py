@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -65,3 +66,8 @@ def destroy_all_engines() -> None:
         _engines.clear()
     for engine in engines:
         engine.close()
+
+
+# vLLM does not always shut its connector down when the process exits: close what is
+# left, so puts still in flight to disk and remote get engine.close_flush_s to finish.
+atexit.register(destroy_all_engines)

@@ -441,6 +441,11 @@ class KVEngine:
         for fut in list(self._prefetches.values()):
             fut.cancel()
         self.pins.release_all()
+        # Before the loop stops: the remote tier's puts run on it.
+        if self.config.close_flush_s > 0 and not self.storage.flush(self.config.close_flush_s):
+            log.warning(
+                "puts to lower tiers still in flight at close", waited_s=self.config.close_flush_s
+            )
         self.loop.stop()
         self.storage.close()
         self.pool.close()

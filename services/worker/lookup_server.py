@@ -3,8 +3,9 @@
 In vLLM the scheduler that asks "how much of this prompt is cached?" lives in another
 process than the engines that hold the cache, so each engine answers on its own ZMQ
 ROUTER socket (ipc by default, tcp when `engine.lookup_endpoint` says so). The server
-is one asyncio task on the engine's event loop thread; a lookup is an in-memory
-index walk, answered inline. Anything malformed gets an `ErrorReply`; nothing a
+is one asyncio task on the engine's event loop thread; each lookup runs on one
+helper thread, so that a remote tier's existence check (itself on the loop) can run.
+Anything malformed gets an `ErrorReply`; nothing a
 client sends stops the server. `attach_lookup_server` ties its life to the engine's:
 `engine.close()` stops it and removes its ipc socket file.
 """
@@ -162,11 +163,28 @@ class LookupServer:
 
     # -- serving ------------------------------------------------------------------------
     async def _serve(self, sock: zmq.asyncio.Socket) -> None:
+        loop = asyncio.get_running_loop()
+        pool = concurrent.futures.ThreadPoolExecutor(1, "kvmesh-lookup")
+        try:
+            await self._serve_with(sock, loop, pool)
+        finally:
+            # No wait: a lookup in flight may be waiting on this loop (its own deadline
+            # ends it).
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _serve_with(
+        self,
+        sock: zmq.asyncio.Socket,
+        loop: asyncio.AbstractEventLoop,
+        pool: concurrent.futures.Executor,
+    ) -> None:
         while True:
             frames = await sock.recv_multipart()
             if len(frames) < 2:
                 continue  # no routing id and message: nothing to answer
-            reply = self.handle(frames[1:])
+            # Off the loop: a lookup may ask the remote tier, whose calls run on this
+            # very loop (the engine's) and would otherwise be skipped or deadlock.
+            reply = await loop.run_in_executor(pool, self.handle, frames[1:])
             if isinstance(reply, proto.ErrorReply):
                 self._errors.labels(code=str(reply.code)).inc()
             try:

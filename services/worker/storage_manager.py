@@ -9,6 +9,7 @@ fail at is a miss.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 
 from kvmesh.common.keys import ChunkKey
@@ -171,6 +172,15 @@ class StorageManager:
             if tier is None or t.name == tier:
                 n += t.clear()
         return n
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for the puts in flight to every lower tier, all within one deadline."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        done = True
+        for tier in self.lower:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done = tier.flush(left) and done
+        return done
 
     def close(self) -> None:
         for tier in self.lower:

@@ -78,6 +78,10 @@ def _engine_stats(instance_id: str) -> dict[str, float]:
         "tokens_hit_l1": ("tokens_hit_total", {"tier": "l1"}),
         "lookup_server_requests": ("lookup_server_requests_total", {"kind": "lookup"}),
     }
+    for result in ("written", "error", "down", "duplicate", "queue_full"):
+        names[f"remote_puts_{result}"] = ("remote_puts_total", {"result": result})
+    for result in ("cached", "asked", "down", "timeout", "error"):
+        names[f"remote_lookups_{result}"] = ("remote_lookups_total", {"result": result})
     out = {}
     for key, (name, labels) in names.items():
         value = m.value(name, labels)
@@ -101,17 +105,19 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             kv_load_failure_policy="recompute",
             kv_connector_extra_config=spec["connector"],
         )
-    llm = LLM(
-        model=spec["model"],
-        tokenizer=spec["model"],
-        dtype=spec.get("dtype", "float32"),
-        enforce_eager=True,
-        enable_prefix_caching=False,
-        max_model_len=spec.get("max_model_len", 4096),
-        seed=0,
-        kv_transfer_config=kv,
-        **spec.get("llm_kwargs", {}),
-    )
+    args: dict[str, Any] = {
+        "model": spec["model"],
+        "tokenizer": spec["model"],
+        "dtype": spec.get("dtype", "float32"),
+        "enforce_eager": True,
+        "enable_prefix_caching": False,
+        "max_model_len": spec.get("max_model_len", 4096),
+        "seed": 0,
+        "kv_transfer_config": kv,
+    }
+    # llm_kwargs may override the defaults above (a reference run with vLLM's own
+    # prefix cache turns it on).
+    llm = LLM(**{**args, **spec.get("llm_kwargs", {})})
     startup = time.perf_counter() - t0
     if spec.get("warmup", True):
         # The first forward pass of a process is slow (allocation, kernel set-up):
@@ -125,7 +131,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         warm_tokens = [7 + i % 101 for i in range(longest)]
         llm.generate([{"prompt_token_ids": warm_tokens}], warm, use_tqdm=False)
     results = []
-    for step in spec["steps"]:
+    for i, step in enumerate(spec["steps"]):
+        if step.get("pause_s"):
+            print(f"kvmesh-session: step {i} pausing", flush=True)
+            time.sleep(step["pause_s"])
         extra = {}
         if step.get("kv_transfer_params") is not None:
             extra["kv_transfer_params"] = step["kv_transfer_params"]
@@ -137,7 +146,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         )
         _drop["mode"] = step.get("drop")
         t = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": step["tokens"]}], params, use_tqdm=False)[0]
+        prompt: dict[str, Any] = {"prompt_token_ids": step["tokens"]}
+        if step.get("cache_salt"):
+            prompt["cache_salt"] = step["cache_salt"]
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
         elapsed = time.perf_counter() - t
         _drop["mode"] = None
         completion = out.outputs[0]

@@ -58,6 +58,9 @@ class Step:
     drop: "last" or "all" removes that many of the request's cached chunks from the
     engine just before its load (as if evicted after the lookup): vLLM must
     recompute them. Needs a connector.
+    pause_s: before the request, the child prints `kvmesh-session: step I pausing` and
+    waits that long: a test that watches the output (run_session's progress) can act at
+    that point, e.g. kill a service the step depends on.
     """
 
     tokens: list[int]
@@ -65,6 +68,8 @@ class Step:
     logprobs: int = 5
     kv_transfer_params: dict[str, Any] | None = None
     drop: str | None = None
+    pause_s: float = 0.0
+    cache_salt: str | None = None  # vLLM's own prefix cache shares blocks per salt
 
 
 @dataclass

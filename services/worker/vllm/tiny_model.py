@@ -57,6 +57,19 @@ class TinyModelSpec:
         return f"tiny-llama-{hashlib.sha256(blob).hexdigest()[:12]}"
 
 
+# A model whose prefill dominates a request on CPU (8 layers, hidden 512, ~25M
+# parameters): what `kvmesh demo` and benchmarks/ttft.py serve. Prompts up to 8k tokens.
+PREFILL_BOUND = TinyModelSpec(
+    hidden_size=512,
+    intermediate_size=1536,
+    num_layers=8,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=64,
+    max_position_embeddings=8448,
+)
+
+
 def default_models_dir() -> Path:
     """$KVMESH_MODELS_DIR, else $XDG_CACHE_HOME/kvmesh/models (~/.cache/kvmesh/models)."""
     env = os.environ.get("KVMESH_MODELS_DIR")

@@ -1,4 +1,5 @@
-"""`kvmesh demo` and `kvmesh --version`, run as the installed console script."""
+"""`kvmesh demo --engine-only` and `kvmesh --version`, run as the installed console
+script (the vLLM demo: tests/integration/test_demo.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def test_version_is_the_package_version() -> None:
 
 def test_demo_stores_and_loads_back_bitwise() -> None:
     out = subprocess.run(
-        [str(KVMESH), "demo", "--tokens", "1100", "--layers", "3"],
+        [str(KVMESH), "demo", "--engine-only", "--tokens", "1100", "--layers", "3"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -108,6 +108,27 @@ def test_new_engine_on_the_same_directory_finds_the_chunks(tmp_path: Path) -> No
         second.close()
 
 
+def test_close_lets_queued_puts_finish(tmp_path: Path) -> None:
+    """No flush before close: engine.close_flush_s keeps what was stored just before a
+    shutdown (one IO thread and 16 chunks, so puts are still queued at close)."""
+    view, _, _ = make_cache("cpu", torch.float16, True, blocks=BLOCKS, block_size=BLOCK)
+    cfg = config(tmp_path, io_threads=1)
+    first = KVEngine("a", 0, cfg, view)
+    prompts = [tokens(64, seed=s) for s in range(2)]
+    try:
+        for p in prompts:
+            assert first.store(p, torch.arange(64)) == 64
+    finally:
+        first.close()
+    second = KVEngine("b", 0, cfg, view)
+    try:
+        assert disk_of(second).wait_indexed(10)
+        assert len(disk_of(second)) == 16
+        assert all(second.lookup(p) == 64 for p in prompts)
+    finally:
+        second.close()
+
+
 def test_disk_sits_between_l1_and_passed_lower_tiers_and_close_closes_it(tmp_path: Path) -> None:
     from test_engine import MemoryTier  # the in-memory lower tier of the engine tests
 
