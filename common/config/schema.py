@@ -141,6 +141,32 @@ class RemoteConfig(_Section):
             raise RuleError("url", f"{scheme}:// needs host:port (got {self.url!r})")
 
 
+class EngineControllerConfig(_Section):
+    """The engine's link to the controller (registration, heartbeats, KV events,
+    admin commands, P2P lookups). Disabled: the engine runs on its own."""
+
+    enabled: bool = False
+    # The controller's ROUTER endpoint, tcp://host:port.
+    url: str = "tcp://127.0.0.1:7600"
+    heartbeat_s: PositiveSeconds = 1.0
+    timeout_s: PositiveSeconds = 1.0
+    event_batch: PositiveInt = 1024
+    event_flush_s: PositiveSeconds = 0.05
+
+
+class P2PConfig(_Section):
+    """The peer tier (L2): serve this engine's L1 to peers, read chunks from theirs."""
+
+    enabled: bool = False
+    # Where this engine serves peers; port 0 = any free one.
+    host: str = "127.0.0.1"
+    port: Port = 0
+    # auto: NIXL when importable, else the ZMQ channel.
+    channel: Literal["auto", "nixl", "zmq"] = "auto"
+    timeout_s: PositiveSeconds = 1.0
+    lookup_timeout_s: PositiveSeconds = 0.05
+
+
 class EngineConfig(_Section):
     """The worker engine embedded in each inference worker process."""
 
@@ -152,6 +178,8 @@ class EngineConfig(_Section):
     l1: L1Config = L1Config()
     disk: DiskConfig = DiskConfig()
     remote: RemoteConfig = RemoteConfig()
+    controller: EngineControllerConfig = EngineControllerConfig()
+    p2p: P2PConfig = P2PConfig()
     pin_timeout_s: PositiveSeconds = 30.0
     close_flush_s: NonNegativeSeconds = 10.0
     layerwise: bool = False
@@ -166,6 +194,15 @@ class ControllerConfig(_Section):
     port: Port = 7600
     metrics_port: Port = 0
     request_timeout_s: PositiveSeconds = 5.0
+    # The HTTP JSON admin API (and /metrics, /health) on this port; 0 = off.
+    http_port: Port = 0
+    # A worker silent for this many of its heartbeat periods is dropped with its chunks.
+    heartbeat_misses: PositiveInt = 3
+    # Each worker's deadline when an admin command fans out.
+    admin_timeout_s: PositiveSeconds = 5.0
+    # Registry snapshot file, reloaded on start; "" = no snapshot.
+    snapshot_path: str = ""
+    snapshot_interval_s: PositiveSeconds = 30.0
 
 
 class LookupConfig(_Section):

@@ -126,15 +126,24 @@ def _serve(
         with _Progress("vLLM", verbose) as progress:
             result = run_session(model, [Step(prompt), Step(prompt)], progress=progress, **kwargs)
         click.echo(f"vLLM:     started in {result.startup_s:.1f} s with the kvmesh connector")
+        _counters("vLLM", result, verbose)
         return result.steps[0], result.steps[1]
     with _Progress("vLLM process A", verbose) as progress:
         a = run_session(model, [Step(prompt)], progress=progress, **kwargs)
     click.echo(f"vLLM A:   started in {a.startup_s:.1f} s, served the prompt, exited")
+    _counters("vLLM A", a, verbose)
     kwargs["connector"] = {**connector, "instance_id": f"{connector['instance_id']}-b"}
     with _Progress("vLLM process B", verbose) as progress:
         b = run_session(model, [Step(prompt)], progress=progress, **kwargs)
     click.echo(f"vLLM B:   a fresh process, started in {b.startup_s:.1f} s")
+    _counters("vLLM B", b, verbose)
     return a.steps[0], b.steps[0]
+
+
+def _counters(label: str, result: Any, verbose: bool) -> None:
+    if verbose:
+        counters = ", ".join(f"{k}={v:g}" for k, v in result.engine.items() if v)
+        click.echo(f"{label} kvmesh counters: {counters}")
 
 
 def _report(tokens: int, cold: Any, warm: Any, fresh: bool) -> None:

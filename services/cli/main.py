@@ -5,8 +5,10 @@ from __future__ import annotations
 import click
 
 from kvmesh import __version__
+from kvmesh.services.cli.admin_cmd import admin
 from kvmesh.services.cli.cacheserver_cmd import cacheserver
 from kvmesh.services.cli.config_cmd import config
+from kvmesh.services.cli.controller_cmd import controller
 from kvmesh.services.cli.demo_cmd import demo
 from kvmesh.services.cli.disk_cmd import disk
 
@@ -23,6 +25,8 @@ def serve() -> None:
 
 
 serve.add_command(cacheserver)
+serve.add_command(controller)
+cli.add_command(admin)
 cli.add_command(config)
 cli.add_command(demo)
 cli.add_command(disk)

@@ -70,4 +70,11 @@ def destroy_all_engines() -> None:
 
 # vLLM does not always shut its connector down when the process exits: close what is
 # left, so puts still in flight to disk and remote get engine.close_flush_s to finish.
-atexit.register(destroy_all_engines)
+# threading's exit hooks run before atexit's, while pyzmq still sends: its zero-copy
+# sends stop working once its own atexit hook has run. (concurrent.futures relies on
+# the same private hook.)
+_register_exit = getattr(threading, "_register_atexit", None)
+if _register_exit is not None:
+    _register_exit(destroy_all_engines)
+else:
+    atexit.register(destroy_all_engines)

@@ -22,11 +22,14 @@ from kvmesh.common.keys import ChunkKey, KeyNamespace
 from kvmesh.common.memory import HostMemoryPool, MemoryFormat, MemoryObj
 from kvmesh.common.observability import get_logger
 from kvmesh.common.tokendb import ChunkedTokenDatabase
+from kvmesh.common.transport.channel import make_channel
 from kvmesh.gpu_ext import make_copier
 from kvmesh.services.worker import layerwise
 from kvmesh.services.worker.events import KVEventBuffer, KVEventKind
 from kvmesh.services.worker.loop_thread import LoopThread
 from kvmesh.services.worker.mla import MLABroadcast
+from kvmesh.services.worker.p2p_server import attach_p2p_server
+from kvmesh.services.worker.peer_locator import PeerLocator
 from kvmesh.services.worker.pins import LookupPins
 from kvmesh.services.worker.stats import EngineStats
 from kvmesh.services.worker.storage_manager import StorageManager
@@ -34,6 +37,7 @@ from kvmesh.services.worker.tenants import TenantDatabases
 from kvmesh.services.worker.tiers.base import Tier
 from kvmesh.services.worker.tiers.disk import DiskTier
 from kvmesh.services.worker.tiers.host import AllocationError, HostTier
+from kvmesh.services.worker.tiers.p2p import P2PTier
 from kvmesh.services.worker.tiers.remote import RemoteTier
 from kvmesh.services.worker.tiers.remote_connector import make_connector
 
@@ -64,6 +68,10 @@ class KVEngine:
         self._lock = threading.Lock()
         self._closed = False
         self._frozen = False
+        # Set by the controller client: who holds a prefix in their L1 (the P2P tier asks).
+        self.peer_locator: PeerLocator | None = None
+        # Where this engine serves its L1 to peers ("" when P2P is off).
+        self.p2p_endpoint: str = ""
 
         self.copier = make_copier(kv_caches)
         self.layout = self.copier.layout
@@ -103,7 +111,9 @@ class KVEngine:
         # MLA ranks other than 0 store nothing: they get their KV from rank 0.
         with_disk = config.disk.enabled and not (self.is_mla and rank != 0)
         with_remote = config.remote.enabled and not (self.is_mla and rank != 0)
-        names = [l1.name, *(["disk"] if with_disk else []), *(t.name for t in lower)]
+        with_p2p = config.p2p.enabled
+        names = [l1.name, *(["p2p"] if with_p2p else []), *(["disk"] if with_disk else [])]
+        names += [t.name for t in lower]
         names += ["remote"] if with_remote else []
         self.stats = EngineStats(instance_id, rank, names)
         if with_disk:
@@ -112,10 +122,15 @@ class KVEngine:
         if with_remote:
             # L4, the slowest: after the local disk and any tiers passed in.
             lower.append(self._make_remote_tier())
+        p2p = self._make_p2p_tier() if with_p2p else None
+        if p2p is not None:
+            lower.insert(0, p2p)  # L2: a peer's memory beats any disk
         self.storage = StorageManager(
             l1, lower, self.loop, self.events, max_inflight_io=config.max_inflight_io
         )
         self.stats.l1_capacity.set(self.pool.capacity_bytes)
+        if p2p is not None:
+            attach_p2p_server(self, p2p.channel)
         self.pins = LookupPins(self.storage.unpin, config.pin_timeout_s)
         self._mla = MLABroadcast(mla_group, rank) if self.is_mla and world_size > 1 else None
         self._prefetches: dict[str, concurrent.futures.Future[int]] = {}
@@ -129,6 +144,12 @@ class KVEngine:
             page_bytes=self.pool.page_size,
             mla=self.is_mla,
         )
+        if config.controller.enabled:
+            # Last, so it registers what was built above (a P2P endpoint included).
+            # Imported here: engines without a controller never load its client.
+            from kvmesh.services.worker.controller_client import start_controller_client
+
+            start_controller_client(self)
 
     def _make_disk_tier(self) -> DiskTier:
         """The L3 tier in `<disk.path>/<namespace id>/`, sharing the engine's metrics."""
@@ -150,6 +171,24 @@ class KVEngine:
         cfg = self.config.remote
         connector = make_connector(cfg.url, key_prefix=cfg.key_prefix, timeout_s=cfg.timeout_s)
         tier = RemoteTier(connector, self.loop, cfg, metrics=self.stats.metrics)
+        self.add_close_hook(tier.close)
+        return tier
+
+    def _make_p2p_tier(self) -> P2PTier:
+        """L2: peers' L1 through a TransferChannel that also serves ours (NIXL registers
+        the whole pool once); the tier closes its channel before the loop stops."""
+        cfg = self.config.p2p
+        buf = self.pool.buffer
+        name = f"{self.instance_id}-{self.rank}"
+        channel = make_channel(cfg.channel, name, [(buf.data_ptr(), buf.numel())])
+        tier = P2PTier(
+            channel,
+            self.loop,
+            cfg,
+            lambda: self.peer_locator,
+            lambda: self.p2p_endpoint,
+            metrics=self.stats.metrics,
+        )
         self.add_close_hook(tier.close)
         return tier
 
@@ -436,16 +475,17 @@ class KVEngine:
             if self._closed:
                 return
             self._closed = True
+        # First, while tiers (the remote one closes in a hook) and the loop its puts
+        # run on are still up: chunks stored just before a shutdown are kept.
+        if self.config.close_flush_s > 0 and not self.storage.flush(self.config.close_flush_s):
+            log.warning(
+                "puts to lower tiers still in flight at close", waited_s=self.config.close_flush_s
+            )
         for hook in reversed(self._close_hooks):
             hook()
         for fut in list(self._prefetches.values()):
             fut.cancel()
         self.pins.release_all()
-        # Before the loop stops: the remote tier's puts run on it.
-        if self.config.close_flush_s > 0 and not self.storage.flush(self.config.close_flush_s):
-            log.warning(
-                "puts to lower tiers still in flight at close", waited_s=self.config.close_flush_s
-            )
         self.loop.stop()
         self.storage.close()
         self.pool.close()

@@ -157,3 +157,30 @@ def test_a_frozen_cacheserver_costs_at_most_the_deadline(server) -> None:
         assert remote.wait_ready(5)
     finally:
         eng.close()
+
+
+def test_close_waits_for_puts_in_flight(server) -> None:
+    """Closing right after a store (no flush) while the cache-server is briefly
+    frozen, so the puts are still in flight: engine.close_flush_s lets them finish, and
+    a fresh engine finds every chunk."""
+    import signal
+
+    view, _, _ = make_cache("cpu", torch.float16, True, blocks=BLOCKS)
+    prompts = [list(range(30_000 + 1000 * i, 30_000 + 1000 * i + 64)) for i in range(4)]
+    eng = remote_engine(server.url, view, instance="closer")
+    thaw = threading.Timer(0.2, server.proc.send_signal, (signal.SIGCONT,))
+    try:
+        server.proc.send_signal(signal.SIGSTOP)
+        thaw.start()
+        for p in prompts:
+            assert eng.store(p, torch.randperm(SLOTS)[:64]) == 64
+        pending = eng.storage.tier("remote")._pending
+    finally:
+        eng.close()
+        thaw.join()
+    assert pending > 0
+    fresh = remote_engine(server.url, view, instance="fresh-after-close")
+    try:
+        assert [fresh.lookup(p) for p in prompts] == [64] * 4
+    finally:
+        fresh.close()

@@ -107,7 +107,11 @@ def test_tenants_do_not_share_chunks(session) -> None:
     assert steps["tenant_b"].hit_tokens == 0
     assert steps["no_tenant"].hit_tokens == 0
     assert steps["tenant_a_again"].hit_tokens == 768
-    assert steps["tenant_a_again"].logprobs[0] == steps["tenant_a_first"].logprobs[0]
+    # tenant a's chunks came back (a warm request: within float noise of the cold one,
+    # see vllm_fixture.Reference; exactness of loads is checked on p1000)
+    again, first = steps["tenant_a_again"], steps["tenant_a_first"]
+    assert again.output_tokens == first.output_tokens
+    assert all(abs(again.logprobs[0][t] - lp) < 1e-4 for t, lp in first.logprobs[0].items())
 
 
 def test_skip_save_and_skip_load(session) -> None:

@@ -1,0 +1,344 @@
+"""The controller's wire protocol (version 1): workers, admin clients and the controller.
+
+Every message is one ZMQ frame: a tagged, array-like Struct encoded as msgpack. The
+controller binds one ROUTER; workers and admin clients connect DEALER sockets.
+
+Why one socket for KV events too (not a separate PULL): a worker's `Register`, its
+`KVEventBatch`es, `FullState` and `Heartbeat`s then travel on one connection in the
+order they were sent, so the controller never sees events of a worker it has not
+registered yet, and a heartbeat's `last_seq` is only compared after every batch sent
+before it was applied. Batches are fire-and-forget (no reply) unless refused.
+
+- A session starts with `Hello`; `HelloReply` or `ErrorReply(VERSION_MISMATCH)`. Any
+  other request before a hello gets `ErrorReply(NO_HELLO)` (retryable: say hello again).
+- Every request carries `rid`, echoed by its reply; pushes from the controller to a
+  worker (`Resync`, `Command`) carry the controller's own rid, and the worker answers
+  a `Command` with `CommandReply` of the same rid.
+- Workers: `Register` → `RegisterReply(worker_id)`; then `KVEventBatch`es whose
+  `first_seq` continues the previous batch (a gap, or a heartbeat's `last_seq` ahead
+  of what arrived, makes the controller push `Resync`; the worker answers with
+  `FullState`); `Heartbeat` every `heartbeat_s` (a worker silent for three periods is
+  dropped with its chunks); `Deregister` on a clean shutdown.
+- `P2PLookup(keys, exclude_instance)` → the peer whose L1 holds the longest run of
+  keys from the first (count 0: nobody). Only workers that registered a P2P endpoint.
+- Admin: `Clear`, `Pin`, `Health`, `Move`, `Compress` fan out to the workers (all, or
+  one instance's) and answer `AdminReply(event_id, results)` with one `WorkerResult`
+  per worker, a worker that missed the deadline included (ok=False, error "timeout").
+  `CheckFinish(event_id)` answers the stored result of an earlier command.
+- Every reply is the matching `...Reply` or `ErrorReply(rid, code, message, retryable)`.
+
+Chunk keys travel as `ChunkKey.to_str()` strings. Evolution: fields are only appended,
+with defaults; new messages get new tags; a change of meaning bumps PROTOCOL_VERSION.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_EVENTS_PER_BATCH = 65_536
+MAX_LOOKUP_KEYS = 16_384
+
+
+class ErrorCode(IntEnum):
+    """Why a request failed. Values travel on the wire: append, never renumber."""
+
+    BAD_MESSAGE = 1
+    UNKNOWN_MESSAGE = 2
+    VERSION_MISMATCH = 3
+    NO_HELLO = 4
+    NOT_REGISTERED = 5
+    BAD_REQUEST = 6
+    UNSUPPORTED = 7
+    DEADLINE_EXCEEDED = 8
+    INTERNAL = 9
+    SHUTTING_DOWN = 10
+
+
+# Codes a client may retry after doing something about them (hello / register again).
+RETRYABLE = frozenset({ErrorCode.NO_HELLO, ErrorCode.NOT_REGISTERED, ErrorCode.SHUTTING_DOWN})
+
+
+class EventKind(IntEnum):
+    ADMIT = 1
+    EVICT = 2
+
+
+class _Msg(msgspec.Struct, tag=True, frozen=True, array_like=True, gc=False):
+    """Base of every message: tagged (the tag is the first array element)."""
+
+
+# -- worker → controller -------------------------------------------------------------
+
+
+class Hello(_Msg, tag="hello"):
+    rid: int
+    version: int
+    client: str = ""
+
+
+class Register(_Msg, tag="register"):
+    rid: int
+    instance_id: str
+    rank: int
+    world_size: int
+    namespaces: list[str]
+    # Where the engine serves its L1 to peers; "" when it serves none.
+    p2p_endpoint: str = ""
+    heartbeat_s: float = 1.0
+
+
+class Deregister(_Msg, tag="deregister"):
+    rid: int
+    worker_id: str
+
+
+class Heartbeat(_Msg, tag="heartbeat"):
+    rid: int
+    worker_id: str
+    last_seq: int  # the seq of the last event this worker sent
+
+
+class KVEventBatch(_Msg, tag="events"):
+    """Events first_seq, first_seq+1, ...: (EventKind, chunk key string, tier name)."""
+
+    rid: int
+    worker_id: str
+    first_seq: int
+    events: list[tuple[int, str, str]]
+
+
+class FullState(_Msg, tag="full_state"):
+    """Everything the worker holds, per tier, as of event `seq` (later events follow)."""
+
+    rid: int
+    worker_id: str
+    seq: int
+    tiers: dict[str, list[str]]
+
+
+class CommandReply(_Msg, tag="command_r"):
+    rid: int
+    worker_id: str
+    ok: bool
+    count: int = 0
+    error: str = ""
+    detail: dict[str, int] = {}
+
+
+# -- anyone → controller: lookups and admin ----------------------------------------------
+
+
+class P2PLookup(_Msg, tag="p2p_lookup"):
+    rid: int
+    keys: list[str]
+    exclude_instance: str = ""
+
+
+class ListWorkers(_Msg, tag="list_workers"):
+    rid: int
+
+
+class Clear(_Msg, tag="clear"):
+    rid: int
+    event_id: str
+    instance_id: str = ""  # "" = every instance
+    tier: str = ""  # "" = every tier
+
+
+class Pin(_Msg, tag="pin"):
+    rid: int
+    event_id: str
+    keys: list[str]
+    instance_id: str = ""
+    unpin: bool = False
+
+
+class Health(_Msg, tag="health"):
+    rid: int
+    event_id: str
+    instance_id: str = ""
+
+
+class Move(_Msg, tag="move"):
+    rid: int
+    event_id: str
+    keys: list[str]
+    src_instance: str
+    dst_instance: str
+    copy: bool = False
+
+
+class Compress(_Msg, tag="compress"):
+    rid: int
+    event_id: str
+    instance_id: str = ""
+    method: str = "zstd"
+
+
+class CheckFinish(_Msg, tag="check_finish"):
+    rid: int
+    event_id: str
+
+
+Request = (
+    Hello
+    | Register
+    | Deregister
+    | Heartbeat
+    | KVEventBatch
+    | FullState
+    | CommandReply
+    | P2PLookup
+    | ListWorkers
+    | Clear
+    | Pin
+    | Health
+    | Move
+    | Compress
+    | CheckFinish
+)
+AdminRequest = Clear | Pin | Health | Move | Compress
+
+# -- controller → worker (pushed) ------------------------------------------------------
+
+
+class Resync(_Msg, tag="resync"):
+    rid: int
+    worker_id: str
+    reason: str = ""
+
+
+class Command(_Msg, tag="command"):
+    """An admin command for one worker: op is clear, pin, unpin, health (others are
+    answered ok=False, "unsupported")."""
+
+    rid: int
+    event_id: str
+    op: str
+    tier: str = ""
+    keys: list[str] = []
+
+
+# -- replies -------------------------------------------------------------------------
+
+
+class HelloReply(_Msg, tag="hello_r"):
+    rid: int
+    version: int
+    server: str
+
+
+class RegisterReply(_Msg, tag="register_r"):
+    rid: int
+    worker_id: str
+
+
+class DeregisterReply(_Msg, tag="deregister_r"):
+    rid: int
+    dropped_chunks: int
+
+
+class HeartbeatReply(_Msg, tag="heartbeat_r"):
+    rid: int
+    resync: bool = False  # the controller also pushed a Resync
+
+
+class FullStateReply(_Msg, tag="full_state_r"):
+    rid: int
+    chunks: int
+
+
+class P2PLookupReply(_Msg, tag="p2p_lookup_r"):
+    rid: int
+    instance_id: str = ""
+    rank: int = -1
+    endpoint: str = ""
+    count: int = 0  # 0: no peer holds the first key
+
+
+class WorkerInfo(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    worker_id: str
+    instance_id: str
+    rank: int
+    world_size: int
+    p2p_endpoint: str
+    chunks: dict[str, int]  # tier → chunk count
+    last_seq: int
+    seen_s_ago: float
+    restored: bool  # known from the snapshot, not re-registered yet
+
+
+class ListWorkersReply(_Msg, tag="list_workers_r"):
+    rid: int
+    workers: list[WorkerInfo]
+
+
+class WorkerResult(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    worker_id: str
+    ok: bool
+    count: int = 0
+    error: str = ""
+    detail: dict[str, int] = {}
+
+
+class AdminReply(_Msg, tag="admin_r"):
+    rid: int
+    event_id: str
+    done: bool  # every worker answered (or timed out); False: still running
+    results: list[WorkerResult]
+
+
+class ErrorReply(_Msg, tag="error"):
+    rid: int
+    code: int
+    message: str
+    retryable: bool = False
+
+
+Reply = (
+    HelloReply
+    | RegisterReply
+    | DeregisterReply
+    | HeartbeatReply
+    | FullStateReply
+    | P2PLookupReply
+    | ListWorkersReply
+    | AdminReply
+    | ErrorReply
+)
+# What a worker's socket receives: replies and the controller's pushes.
+WorkerInbound = Reply | Resync | Command
+
+REQUEST_TAGS = frozenset(t.__struct_config__.tag for t in Request.__args__)
+
+# One encoder and one decoder per direction, built once (msgspec's advice).
+encoder = msgspec.msgpack.Encoder()
+request_decoder = msgspec.msgpack.Decoder(Request)
+reply_decoder = msgspec.msgpack.Decoder(Reply)
+worker_decoder = msgspec.msgpack.Decoder(WorkerInbound)
+_raw_decoder = msgspec.msgpack.Decoder()
+
+
+def error_for(exc: Exception, raw: bytes | memoryview) -> ErrorReply:
+    """The ErrorReply for a message that failed to decode: UNKNOWN_MESSAGE for a
+    well-formed message of a tag this version does not know, BAD_MESSAGE otherwise.
+    The request id is echoed when it can still be read."""
+    rid, code = 0, ErrorCode.BAD_MESSAGE
+    try:
+        arr = _raw_decoder.decode(raw)
+    except (msgspec.DecodeError, ValueError):
+        arr = None
+    if isinstance(arr, list) and arr:
+        if len(arr) > 1 and isinstance(arr[1], int) and not isinstance(arr[1], bool):
+            rid = arr[1] if 0 <= arr[1] < 2**63 else 0
+        if isinstance(arr[0], str) and arr[0] not in REQUEST_TAGS:
+            code = ErrorCode.UNKNOWN_MESSAGE
+    what = "unknown message type" if code is ErrorCode.UNKNOWN_MESSAGE else "bad message"
+    return ErrorReply(rid, int(code), f"{what}: {exc}"[:300])
+
+
+def error(rid: int, code: ErrorCode, message: str) -> ErrorReply:
+    return ErrorReply(rid, int(code), message[:300], code in RETRYABLE)

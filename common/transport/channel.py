@@ -1,0 +1,75 @@
+"""TransferChannel: how chunk bytes move from a peer's L1 into local buffers.
+
+A channel reads the chunks a peer holds for some keys into buffers the caller
+allocates, and reports each chunk's metadata (checksum included). It moves bytes and
+checks the framing; checking the bytes against the checksum is the caller's job (the
+P2P tier), so a channel never decides what is valid KV.
+
+- `ZmqChannel` (channel_zmq.py): the peer sends the bytes as ZMQ frames over TCP.
+- `NixlChannel` (channel_nixl.py): the peer pins the chunks and tells their addresses;
+  the reader pulls them with one NIXL READ (UCX; DRAM to DRAM here).
+
+`make_channel("auto")` is NIXL when the `nixl_cu13` package imports, else ZMQ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from kvmesh.common.memory import MemoryObj
+from kvmesh.common.protocol.p2p import ChunkMeta, HelloReply
+from kvmesh.common.transport.peer_conn import PeerError
+
+# Allocate a local buffer for a chunk the peer described; None when there is no room.
+AllocFn = Callable[[ChunkMeta], MemoryObj | None]
+Landed = tuple[ChunkMeta, MemoryObj]
+
+__all__ = ["AllocFn", "Landed", "PeerError", "TransferChannel", "make_channel", "nixl_available"]
+
+
+class TransferChannel(Protocol):
+    name: str
+
+    async def read(
+        self, endpoint: str, keys: Sequence[str], alloc: AllocFn, timeout_s: float
+    ) -> list[Landed]:
+        """The chunks of keys the peer at endpoint holds, landed in buffers from alloc
+        (one reference each for the caller), in the order of keys; keys it lacks are
+        left out. Raises PeerError (having freed its buffers) when the peer is dead,
+        slow past timeout_s, or answers garbage. Runs on the owner's event loop."""
+        ...
+
+    def hello_fields(self) -> tuple[str, bytes]:
+        """(agent name, agent metadata) a peer server hands its readers; empty for ZMQ."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+def nixl_available() -> bool:
+    try:
+        import nixl_cu13._api  # noqa: F401
+    except Exception:  # ImportError, or a broken native library
+        return False
+    return True
+
+
+def make_channel(kind: str, name: str, regions: Sequence[tuple[int, int]] = ()) -> TransferChannel:
+    """A channel by config value (auto|nixl|zmq). regions: (address, length) of the
+    memory NIXL registers, the engine's L1 pool, served to peers and read into."""
+    from kvmesh.common.transport.channel_zmq import ZmqChannel
+
+    if kind == "zmq" or (kind == "auto" and not nixl_available()):
+        return ZmqChannel()
+    if kind not in ("auto", "nixl"):
+        raise ValueError(f"unknown p2p channel {kind!r} (auto, nixl or zmq)")
+    from kvmesh.common.transport.channel_nixl import NixlChannel
+
+    return NixlChannel(name, regions)
+
+
+def check_hello(reply: object) -> HelloReply:
+    if not isinstance(reply, HelloReply):
+        raise PeerError(f"unexpected reply to hello: {type(reply).__name__}")
+    return reply

@@ -1,0 +1,59 @@
+"""The ZMQ/TCP TransferChannel: the peer sends each chunk as one payload frame.
+
+Works between any two hosts that can open a TCP connection; costs a copy on each side
+(the peer's send, our landing copy into the L1 buffer), which NIXL avoids.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvmesh.common.protocol import p2p as proto
+from kvmesh.common.transport.channel import AllocFn, Landed
+from kvmesh.common.transport.peer_conn import PeerConnections, PeerError
+
+
+class ZmqChannel:
+    name = "zmq"
+
+    def __init__(self, conns: PeerConnections | None = None) -> None:
+        self._conns = conns if conns is not None else PeerConnections()
+
+    def hello_fields(self) -> tuple[str, bytes]:
+        return "", b""
+
+    async def read(
+        self, endpoint: str, keys: Sequence[str], alloc: AllocFn, timeout_s: float
+    ) -> list[Landed]:
+        conn = self._conns.get(endpoint)
+        msg = proto.ReadChunks(
+            conn.next_rid(), proto.PROTOCOL_VERSION, list(keys), time.time() + timeout_s
+        )
+        reply, payloads = await conn.request(msg, timeout_s)
+        if not isinstance(reply, proto.ReadChunksReply):
+            self._conns.drop(endpoint)
+            raise PeerError(f"unexpected reply to read: {type(reply).__name__}")
+        landed: list[Landed] = []
+        try:
+            for meta, frame in zip(reply.chunks, payloads, strict=True):
+                buf = frame.buffer
+                if len(buf) != meta.nbytes:
+                    raise PeerError(
+                        f"chunk {meta.key}: {len(buf)} bytes sent, {meta.nbytes} announced"
+                    )
+                obj = alloc(meta)
+                if obj is None:
+                    break  # no room: what landed so far is still good
+                landed.append((meta, obj))
+                obj.raw.numpy()[:] = np.frombuffer(buf, dtype=np.uint8)
+        except Exception:
+            for _, obj in landed:
+                obj.ref_down()
+            raise
+        return landed
+
+    async def aclose(self) -> None:
+        self._conns.close()

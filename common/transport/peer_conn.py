@@ -1,0 +1,140 @@
+"""One DEALER connection to a peer's P2P endpoint, with replies paired to requests.
+
+Owned by one event loop (sockets are not thread-safe). A reply that does not decode,
+a timeout or a send failure breaks the connection: pending requests fail with
+PeerError and the owner drops it, so the next request reconnects afresh rather than
+reading a stale reply (redis-py's rule: an error mid-read disconnects).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+
+import zmq
+import zmq.asyncio
+
+from kvmesh.common.protocol import p2p as proto
+
+
+class PeerError(RuntimeError):
+    """The peer did not answer in time, answered garbage, or said no: a miss."""
+
+
+class PeerConnection:
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.linger = 0
+        # Without a live peer, sends fail at once instead of queueing for a dead one.
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)
+        self._sock.connect(endpoint)
+        self._rids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[tuple[proto.Reply, list[zmq.Frame]]]] = {}
+        self._rx: asyncio.Task[None] | None = None
+        self.broken = False
+        # What Hello told us (filled by the channel that asked).
+        self.hello: proto.HelloReply | None = None
+
+    def next_rid(self) -> int:
+        return next(self._rids)
+
+    async def request(
+        self, msg: proto.Request, timeout_s: float
+    ) -> tuple[proto.Reply, list[zmq.Frame]]:
+        """Send msg (its rid from `next_rid`) and wait for the reply with that rid.
+
+        Raises PeerError on timeout, an error reply, or a broken connection.
+        """
+        if self.broken:
+            raise PeerError(f"connection to {self.endpoint} is broken")
+        if self._rx is None:
+            self._rx = asyncio.create_task(self._receive())
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._pending[msg.rid] = fut
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._sock.send(proto.encode(msg))
+                reply, payloads = await fut
+        except TimeoutError:
+            self._break(PeerError(f"{self.endpoint} did not answer within {timeout_s:.3f}s"))
+            raise PeerError(f"{self.endpoint} did not answer within {timeout_s:.3f}s") from None
+        except zmq.ZMQError as exc:
+            self._break(PeerError(str(exc)))
+            raise PeerError(f"send to {self.endpoint} failed: {exc}") from None
+        finally:
+            self._pending.pop(msg.rid, None)
+        if isinstance(reply, proto.ErrorReply):
+            raise PeerError(f"{self.endpoint} refused: code {reply.code}: {reply.message}")
+        return reply, payloads
+
+    def send_nowait(self, msg: proto.Request) -> None:
+        """Fire and forget (a lease release: the peer expires it anyway)."""
+        if not self.broken:
+            with contextlib.suppress(zmq.ZMQError):
+                fut = self._sock.send(proto.encode(msg), flags=zmq.NOBLOCK)
+                # Read the outcome so a failed send is not reported as unretrieved.
+                fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def _receive(self) -> None:
+        try:
+            while True:
+                frames = await self._sock.recv_multipart(copy=False)
+                try:
+                    reply = proto.decode_reply([f.buffer for f in frames])
+                except proto.MalformedMessage as exc:
+                    self._break(PeerError(f"bad reply from {self.endpoint}: {exc}"))
+                    return
+                fut = self._pending.get(reply.rid)
+                if fut is not None and not fut.done():
+                    fut.set_result((reply, list(frames[1:])))
+                # else: a reply to a request we gave up on, or to a release.
+        except (asyncio.CancelledError, zmq.ZMQError):
+            pass
+
+    def _break(self, exc: PeerError) -> None:
+        self.broken = True
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+
+    def close(self) -> None:
+        self.broken = True
+        if self._rx is not None:
+            self._rx.cancel()
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.cancel()
+        self._sock.close(0)
+
+
+class PeerConnections:
+    """One live connection per endpoint; broken ones are replaced on next use."""
+
+    def __init__(self) -> None:
+        self._ctx: zmq.asyncio.Context | None = None
+        self._conns: dict[str, PeerConnection] = {}
+
+    def get(self, endpoint: str) -> PeerConnection:
+        conn = self._conns.get(endpoint)
+        if conn is None or conn.broken:
+            if conn is not None:
+                conn.close()
+            if self._ctx is None:
+                self._ctx = zmq.asyncio.Context()
+            conn = self._conns[endpoint] = PeerConnection(self._ctx, endpoint)
+        return conn
+
+    def drop(self, endpoint: str) -> None:
+        conn = self._conns.pop(endpoint, None)
+        if conn is not None:
+            conn.close()
+
+    def close(self) -> None:
+        for conn in self._conns.values():
+            conn.close()
+        self._conns.clear()
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None

@@ -1,0 +1,147 @@
+"""`kvmesh admin ...`: administer a running mesh through the controller (ZMQ).
+
+    kvmesh admin workers                 one line per worker (JSON with --json)
+    kvmesh admin instances               workers grouped by instance
+    kvmesh admin clear [--instance I] [--tier T]
+    kvmesh admin pin KEY... [--instance I] [--unpin]
+    kvmesh admin health [--instance I]   each worker's own health (chunks, memory)
+
+Admin commands print one result per worker and exit 1 when any worker failed or
+timed out, 3 when the controller did not answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import uuid
+from typing import Any
+
+import click
+import msgspec
+
+from kvmesh.common.protocol import controller as proto
+from kvmesh.common.transport.controller_client import (
+    ControllerConnection,
+    ControllerError,
+    ControllerUnavailable,
+)
+
+EXIT_FAILED = 1
+EXIT_UNREACHABLE = 3
+
+
+@click.group("admin")
+@click.option(
+    "--url",
+    envvar="KVMESH_CONTROLLER_URL",
+    default="tcp://127.0.0.1:7600",
+    show_default=True,
+    help="The controller's ZMQ endpoint (env KVMESH_CONTROLLER_URL).",
+)
+@click.option("--timeout", "timeout_s", type=float, default=10.0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def admin(ctx: click.Context, url: str, timeout_s: float, as_json: bool) -> None:
+    """Administer a running mesh through its controller."""
+    ctx.obj = {"url": url, "timeout_s": timeout_s, "json": as_json}
+
+
+def _call(ctx: click.Context, build: Any, expect: type) -> Any:
+    async def main() -> Any:
+        conn = ControllerConnection(ctx.obj["url"], timeout_s=ctx.obj["timeout_s"], client="cli")
+        try:
+            await conn.connect()
+            return await conn.request(build(conn.next_rid()), expect)
+        finally:
+            await conn.close()
+
+    try:
+        return asyncio.run(main())
+    except ControllerUnavailable as exc:
+        click.echo(f"error: controller at {ctx.obj['url']} did not answer: {exc}", err=True)
+        sys.exit(EXIT_UNREACHABLE)
+    except ControllerError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_FAILED)
+
+
+def _workers(ctx: click.Context) -> list[proto.WorkerInfo]:
+    return _call(ctx, proto.ListWorkers, proto.ListWorkersReply).workers
+
+
+@admin.command("workers")
+@click.pass_context
+def workers(ctx: click.Context) -> None:
+    """List registered workers."""
+    infos = _workers(ctx)
+    if ctx.obj["json"]:
+        click.echo(json.dumps([msgspec.structs.asdict(w) for w in infos]))
+        return
+    for w in infos:
+        chunks = ", ".join(f"{t}={n}" for t, n in sorted(w.chunks.items())) or "no chunks"
+        state = " (restored)" if w.restored else ""
+        p2p = w.p2p_endpoint or "-"
+        click.echo(f"{w.worker_id}  p2p={p2p}  {chunks}  seen {w.seen_s_ago:.1f}s ago{state}")
+
+
+@admin.command("instances")
+@click.pass_context
+def instances(ctx: click.Context) -> None:
+    """List instances and their ranks."""
+    grouped: dict[str, list[proto.WorkerInfo]] = {}
+    for w in _workers(ctx):
+        grouped.setdefault(w.instance_id, []).append(w)
+    if ctx.obj["json"]:
+        out = {i: [msgspec.structs.asdict(w) for w in ws] for i, ws in grouped.items()}
+        click.echo(json.dumps(out))
+        return
+    for inst, ws in sorted(grouped.items()):
+        total = sum(sum(w.chunks.values()) for w in ws)
+        ranks = ",".join(str(w.rank) for w in ws)
+        click.echo(f"{inst}  ranks {ranks} of {ws[0].world_size}  {total} chunks")
+
+
+def _print_results(ctx: click.Context, reply: proto.AdminReply) -> None:
+    if ctx.obj["json"]:
+        results = [msgspec.structs.asdict(r) for r in reply.results]
+        click.echo(json.dumps({"event_id": reply.event_id, "results": results}))
+    else:
+        for r in reply.results:
+            status = "ok" if r.ok else f"FAILED: {r.error}"
+            extra = " ".join(f"{k}={v}" for k, v in sorted(r.detail.items()))
+            click.echo(f"{r.worker_id}  {status}  count={r.count} {extra}".rstrip())
+    if any(not r.ok for r in reply.results):
+        sys.exit(EXIT_FAILED)
+
+
+@admin.command("clear")
+@click.option("--instance", default="", help="Only this instance (default: all).")
+@click.option("--tier", default="", help="Only this tier (default: all).")
+@click.pass_context
+def clear(ctx: click.Context, instance: str, tier: str) -> None:
+    """Remove cached chunks (pinned ones stay) on every worker or one instance's."""
+    ev = uuid.uuid4().hex
+    _print_results(ctx, _call(ctx, lambda r: proto.Clear(r, ev, instance, tier), proto.AdminReply))
+
+
+@admin.command("pin")
+@click.argument("keys", nargs=-1, required=True)
+@click.option("--instance", default="", help="Only this instance (default: all).")
+@click.option("--unpin", is_flag=True, help="Release pins instead.")
+@click.pass_context
+def pin(ctx: click.Context, keys: tuple[str, ...], instance: str, unpin: bool) -> None:
+    """Pin chunks (by key string) in L1 so eviction skips them."""
+    ev = uuid.uuid4().hex
+    build = lambda r: proto.Pin(r, ev, list(keys), instance, unpin)  # noqa: E731
+    _print_results(ctx, _call(ctx, build, proto.AdminReply))
+
+
+@admin.command("health")
+@click.option("--instance", default="", help="Only this instance (default: all).")
+@click.pass_context
+def health(ctx: click.Context, instance: str) -> None:
+    """Ask every worker for its health (chunks, memory, events dropped)."""
+    ev = uuid.uuid4().hex
+    _print_results(ctx, _call(ctx, lambda r: proto.Health(r, ev, instance), proto.AdminReply))

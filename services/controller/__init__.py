@@ -1,0 +1,1 @@
+"""The controller: cluster registry, membership, P2P lookups and admin fan-out."""

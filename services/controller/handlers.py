@@ -1,0 +1,209 @@
+"""The controller's request handlers: one per message type, in one dispatch table.
+
+Sync handlers (registry work, all in memory) return the reply, or None for the
+fire-and-forget messages (KV event batches, command replies). Admin commands fan out
+to workers and are `async`: the server runs them as tasks and sends what they return.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kvmesh.common.protocol import controller as proto
+from kvmesh.common.protocol.controller import ErrorCode
+from kvmesh.services.controller.admin import AdminFanout
+from kvmesh.services.controller.registry import Registry, WorkerEntry
+from kvmesh.services.controller.stats import ControllerStats
+
+MAX_ID_CHARS = 256
+SyncHandler = Callable[[bytes, Any], Any]
+AsyncHandler = Callable[[bytes, Any], Awaitable[Any]]
+
+
+class Handlers:
+    def __init__(
+        self,
+        registry: Registry,
+        stats: ControllerStats,
+        fanout: AdminFanout,
+        push: Callable[[bytes, Any], bool],
+        *,
+        server_name: str,
+    ) -> None:
+        self.registry = registry
+        self.stats = stats
+        self.fanout = fanout
+        self.push = push
+        self.server_name = server_name
+        self.table: dict[type, SyncHandler] = {
+            proto.Register: self.register,
+            proto.Deregister: self.deregister,
+            proto.Heartbeat: self.heartbeat,
+            proto.KVEventBatch: self.events,
+            proto.FullState: self.full_state,
+            proto.CommandReply: self.command_reply,
+            proto.P2PLookup: self.p2p_lookup,
+            proto.ListWorkers: self.list_workers,
+            proto.CheckFinish: self.check_finish,
+        }
+        self.async_table: dict[type, AsyncHandler] = {
+            proto.Clear: self.admin,
+            proto.Pin: self.admin,
+            proto.Health: self.admin,
+            proto.Move: self.unsupported,
+            proto.Compress: self.unsupported,
+        }
+
+    # -- workers ------------------------------------------------------------------------
+    def register(self, peer: bytes, msg: proto.Register) -> Any:
+        if not 0 < len(msg.instance_id) <= MAX_ID_CHARS or not msg.instance_id.isprintable():
+            return proto.error(msg.rid, ErrorCode.BAD_REQUEST, "instance_id: 1-256 printable")
+        if not (0 <= msg.rank < msg.world_size) or msg.heartbeat_s <= 0:
+            return proto.error(msg.rid, ErrorCode.BAD_REQUEST, "need 0 <= rank < world_size")
+        entry = self.registry.register(
+            msg.instance_id,
+            msg.rank,
+            msg.world_size,
+            msg.namespaces,
+            msg.p2p_endpoint,
+            msg.heartbeat_s,
+            peer,
+        )
+        self.stats.workers.set(len(self.registry.workers))
+        return proto.RegisterReply(msg.rid, entry.worker_id)
+
+    def _entry(self, peer: bytes, worker_id: str) -> WorkerEntry | None:
+        entry = self.registry.workers.get(worker_id)
+        if entry is None or entry.peer != peer:
+            return None  # unknown, or a stale connection of a worker that re-registered
+        entry.last_seen = time.monotonic()
+        return entry
+
+    def _not_registered(self, msg: Any) -> proto.ErrorReply:
+        self.stats.errors[ErrorCode.NOT_REGISTERED].inc()
+        return proto.error(msg.rid, ErrorCode.NOT_REGISTERED, f"{msg.worker_id}: register first")
+
+    def deregister(self, peer: bytes, msg: proto.Deregister) -> Any:
+        if self._entry(peer, msg.worker_id) is None:
+            return self._not_registered(msg)
+        n = self.registry.drop(msg.worker_id)
+        self.stats.dropped_by["deregister"].inc()
+        self.stats.workers.set(len(self.registry.workers))
+        return proto.DeregisterReply(msg.rid, n)
+
+    def heartbeat(self, peer: bytes, msg: proto.Heartbeat) -> Any:
+        entry = self._entry(peer, msg.worker_id)
+        if entry is None:
+            return self._not_registered(msg)
+        # Batches and this heartbeat share one ordered connection: a last_seq ahead of
+        # what arrived means events were lost on the way.
+        resync = msg.last_seq > entry.last_seq and self._resync(entry, "events lost")
+        return proto.HeartbeatReply(msg.rid, resync)
+
+    def events(self, peer: bytes, msg: proto.KVEventBatch) -> Any:
+        entry = self._entry(peer, msg.worker_id)
+        if entry is None:
+            return self._not_registered(msg)
+        if len(msg.events) > proto.MAX_EVENTS_PER_BATCH:
+            return proto.error(msg.rid, ErrorCode.BAD_REQUEST, "batch too large")
+        if entry.resync_sent:
+            # Waiting for its FullState, which covers these events; re-ask if it is late.
+            self._resync(entry, "full state overdue")
+            return None
+        if msg.first_seq != entry.last_seq + 1:
+            self._resync(entry, f"gap: expected seq {entry.last_seq + 1}, got {msg.first_seq}")
+            return None
+        self.registry.apply(entry, msg.events)
+        entry.last_seq = msg.first_seq + len(msg.events) - 1
+        self.stats.events.inc(len(msg.events))
+        return None
+
+    def _resync(self, entry: WorkerEntry, reason: str) -> bool:
+        """Push a Resync unless one is pending and not yet overdue; True when pending."""
+        now = time.monotonic()
+        if entry.resync_sent and now - entry.resync_sent < 3 * entry.heartbeat_s:
+            return True
+        if entry.peer is None or not self.push(
+            entry.peer, proto.Resync(0, entry.worker_id, reason)
+        ):
+            return False
+        entry.resync_sent = now
+        self.stats.resyncs.inc()
+        return True
+
+    def full_state(self, peer: bytes, msg: proto.FullState) -> Any:
+        entry = self._entry(peer, msg.worker_id)
+        if entry is None:
+            return self._not_registered(msg)
+        n = self.registry.replace_state(entry, msg.tiers)
+        entry.last_seq, entry.resync_sent = msg.seq, 0.0
+        return proto.FullStateReply(msg.rid, n)
+
+    def command_reply(self, peer: bytes, msg: proto.CommandReply) -> Any:
+        self.fanout.on_reply(msg)
+        return None
+
+    # -- lookups and listings -----------------------------------------------------------
+    def p2p_lookup(self, peer: bytes, msg: proto.P2PLookup) -> Any:
+        if len(msg.keys) > proto.MAX_LOOKUP_KEYS:
+            return proto.error(msg.rid, ErrorCode.BAD_REQUEST, "too many keys")
+        found = self.registry.locate(msg.keys, msg.exclude_instance)
+        if found is None:
+            self.stats.lookup_miss.inc()
+            return proto.P2PLookupReply(msg.rid)
+        entry, count = found
+        self.stats.lookup_hit.inc()
+        return proto.P2PLookupReply(
+            msg.rid, entry.instance_id, entry.rank, entry.p2p_endpoint, count
+        )
+
+    def list_workers(self, peer: bytes, msg: proto.ListWorkers) -> Any:
+        return proto.ListWorkersReply(msg.rid, self.worker_infos())
+
+    def worker_infos(self) -> list[proto.WorkerInfo]:
+        now = time.monotonic()
+        return [
+            proto.WorkerInfo(
+                e.worker_id,
+                e.instance_id,
+                e.rank,
+                e.world_size,
+                e.p2p_endpoint,
+                e.counts(),
+                e.last_seq,
+                round(now - e.last_seen, 3),
+                e.restored,
+            )
+            for e in sorted(self.registry.workers.values(), key=lambda e: e.worker_id)
+        ]
+
+    def check_finish(self, peer: bytes, msg: proto.CheckFinish) -> Any:
+        known = self.fanout.events.get(msg.event_id)
+        if known is None:
+            return proto.error(msg.rid, ErrorCode.BAD_REQUEST, f"unknown event id {msg.event_id!r}")
+        return proto.AdminReply(msg.rid, msg.event_id, known[0], known[1])
+
+    # -- admin fan-out ------------------------------------------------------------------
+    async def admin(self, peer: bytes, msg: proto.Clear | proto.Pin | proto.Health) -> Any:
+        if not msg.event_id or len(msg.event_id) > MAX_ID_CHARS:
+            return proto.error(msg.rid, ErrorCode.BAD_REQUEST, "event_id: 1-256 characters")
+        targets = [
+            w
+            for w in self.registry.workers.values()
+            if not msg.instance_id or w.instance_id == msg.instance_id
+        ]
+        if isinstance(msg, proto.Clear):
+            op, tier, keys = "clear", msg.tier, []
+        elif isinstance(msg, proto.Pin):
+            op, tier, keys = ("unpin" if msg.unpin else "pin"), "", msg.keys
+        else:
+            op, tier, keys = "health", "", []
+        results = await self.fanout.run(msg.event_id, op, targets, tier, keys)
+        return proto.AdminReply(msg.rid, msg.event_id, True, results)
+
+    async def unsupported(self, peer: bytes, msg: Any) -> Any:
+        self.stats.errors[ErrorCode.UNSUPPORTED].inc()
+        op = msg.__struct_config__.tag
+        return proto.error(msg.rid, ErrorCode.UNSUPPORTED, f"{op} is not supported yet")

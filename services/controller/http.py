@@ -1,0 +1,168 @@
+"""The controller's HTTP JSON admin API, for orchestrators, beside the ZMQ one.
+
+GET  /health            the controller's own health (200 while it serves)
+GET  /metrics           Prometheus text
+GET  /instances         {instance id: [worker, ...]}
+GET  /workers           [worker, ...]
+GET  /events/<id>       the result of an earlier admin command (CheckFinish)
+POST /clear             {"instance_id"?, "tier"?, "event_id"?}  → per-worker results
+POST /pin               {"keys": [...], "instance_id"?, "unpin"?, "event_id"?}
+POST /health            {"instance_id"?, "event_id"?}  → each worker's health
+
+Built on asyncio streams (standard library): the controller then needs no web framework
+(aiohttp is only in this venv as a vLLM dependency). One request per connection
+(`Connection: close`), bodies up to MAX_BODY_BYTES, a deadline on reading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from kvmesh.common.protocol import controller as proto
+
+if TYPE_CHECKING:
+    from kvmesh.services.controller.server import ControllerServer
+
+MAX_BODY_BYTES = 1 << 20
+READ_TIMEOUT_S = 5.0
+
+
+class _BadRequest(Exception):
+    pass
+
+
+class AdminHttp:
+    def __init__(self, server: ControllerServer, host: str) -> None:
+        self.server = server
+        self.host = host
+        self.port = 0
+        self._server: asyncio.Server | None = None
+
+    async def start(self, port: int) -> None:
+        self._server = await asyncio.start_server(self._serve, self.host, port, reuse_address=True)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(READ_TIMEOUT_S):
+                head = await reader.readuntil(b"\r\n\r\n")
+                method, path, length = _parse_head(head)
+                body = await reader.readexactly(length) if length else b""
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, OSError):
+            writer.close()
+            return
+        except _BadRequest as exc:
+            await _respond(writer, 400, {"error": str(exc)})
+            return
+        try:
+            status, payload = await self._route(method, path, body)
+        except _BadRequest as exc:
+            status, payload = 400, {"error": str(exc)}
+        await _respond(writer, status, payload)
+
+    async def _route(self, method: str, path: str, body: bytes) -> tuple[int, Any]:
+        srv = self.server
+        if method == "GET":
+            if path in ("/health", "/healthz"):
+                return 200, srv.health_report()
+            if path == "/metrics":
+                return 200, srv.stats.metrics.render()
+            if path == "/workers":
+                return 200, [_info(w) for w in srv.handlers.worker_infos()]
+            if path == "/instances":
+                out: dict[str, list[dict[str, Any]]] = {}
+                for w in srv.handlers.worker_infos():
+                    out.setdefault(w.instance_id, []).append(_info(w))
+                return 200, out
+            if path.startswith("/events/"):
+                known = srv.fanout.events.get(path.removeprefix("/events/"))
+                if known is None:
+                    return 404, {"error": "unknown event id"}
+                return 200, {"done": known[0], "results": [_result(r) for r in known[1]]}
+            return 404, {"error": "not found"}
+        if method != "POST":
+            return 405, {"error": "GET or POST"}
+        args = _json_object(body)
+        event_id = str(args.get("event_id") or uuid.uuid4().hex)
+        instance = str(args.get("instance_id") or "")
+        msg: Any
+        if path == "/clear":
+            msg = proto.Clear(0, event_id, instance, str(args.get("tier") or ""))
+        elif path == "/pin":
+            keys = args.get("keys")
+            if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+                raise _BadRequest("keys: a list of chunk key strings")
+            msg = proto.Pin(0, event_id, keys, instance, bool(args.get("unpin", False)))
+        elif path == "/health":
+            msg = proto.Health(0, event_id, instance)
+        else:
+            return 404, {"error": "not found"}
+        reply = await srv.handlers.admin(b"", msg)
+        if isinstance(reply, proto.ErrorReply):
+            return 400, {"error": reply.message, "code": reply.code}
+        return 200, {"event_id": event_id, "results": [_result(r) for r in reply.results]}
+
+
+def _parse_head(head: bytes) -> tuple[str, str, int]:
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split()
+    if len(parts) < 2:
+        raise _BadRequest("bad request line")
+    length = 0
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        if name.strip().lower() == "content-length":
+            try:
+                length = int(value.strip())
+            except ValueError:
+                raise _BadRequest("bad Content-Length") from None
+    if not 0 <= length <= MAX_BODY_BYTES:
+        raise _BadRequest(f"body over {MAX_BODY_BYTES} bytes")
+    return parts[0], parts[1].split("?", 1)[0], length
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    if not body.strip():
+        return {}
+    try:
+        obj = json.loads(body)
+    except ValueError as exc:
+        raise _BadRequest(f"body is not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise _BadRequest("body must be a JSON object")
+    return obj
+
+
+def _info(w: proto.WorkerInfo) -> dict[str, Any]:
+    return msgspec.structs.asdict(w)
+
+
+def _result(r: proto.WorkerResult) -> dict[str, Any]:
+    return msgspec.structs.asdict(r)
+
+
+async def _respond(writer: asyncio.StreamWriter, status: int, payload: Any) -> None:
+    if isinstance(payload, bytes):
+        ctype, body = "text/plain; version=0.0.4; charset=utf-8", payload
+    else:
+        ctype, body = "application/json", json.dumps(payload).encode() + b"\n"
+    reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed"}
+    head = (
+        f"HTTP/1.1 {status} {reason.get(status, '')}\r\nContent-Type: {ctype}\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    writer.write(head + body)
+    with contextlib.suppress(OSError):
+        await writer.drain()
+    writer.close()

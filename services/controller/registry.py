@@ -1,0 +1,282 @@
+"""The cluster registry: instance → worker → tier → chunks, and chunk → holders.
+
+Sized for tens of millions of chunks, so a chunk is not its 49-character key string
+(~100 bytes as a Python str) but a 60-bit int folded from it: the low 60 bits of the
+chunk hash XOR the namespace id. A 60-bit int is a 32-byte object; two keys folding to
+the same int (about 4e-5 odds among 10M keys) can only make a lookup name a peer that
+then misses, which the P2P reader treats as a miss (it checks key and checksum).
+
+`holders[chunk]` is a bitmask with TIER_BITS bits per worker slot (l1, disk, remote,
+other), so "who holds this in L1" is a mask test and a longest-prefix lookup is a
+running AND over the keys. Each worker also keeps one set per tier of its chunk ints
+(the same int objects), so dropping a worker costs O(its chunks), not O(all).
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from dataclasses import dataclass, field
+
+import msgspec
+
+TIER_BITS = 4
+TIER_INDEX = {"l1": 0, "disk": 1, "remote": 2}
+OTHER_TIER = 3
+_SLOT_MASK = (1 << TIER_BITS) - 1
+_KEY_LEN = 49  # "<16 hex namespace>-<32 hex hash>"
+_MASK60 = (1 << 60) - 1
+SNAPSHOT_VERSION = 1
+
+
+def chunk_int(key: str) -> int:
+    """The registry's int for a chunk key string; ValueError when it is not one."""
+    if len(key) != _KEY_LEN or key[16] != "-":
+        raise ValueError(f"not a chunk key: {key[:60]!r}")
+    return (int(key[32:], 16) ^ int(key[:16], 16)) & _MASK60
+
+
+@dataclass(slots=True, eq=False)
+class WorkerEntry:
+    worker_id: str
+    instance_id: str
+    rank: int
+    world_size: int
+    namespaces: list[str]
+    p2p_endpoint: str
+    heartbeat_s: float
+    slot: int
+    last_seen: float
+    peer: bytes | None = None  # its ROUTER routing id; None until it (re)registers
+    last_seq: int = 0
+    restored: bool = False
+    resync_sent: float = 0.0  # monotonic time of a pending Resync, 0 = none pending
+    tiers: dict[str, set[int]] = field(default_factory=dict)
+
+    def bit(self, tier: str) -> int:
+        return 1 << (self.slot * TIER_BITS + TIER_INDEX.get(tier, OTHER_TIER))
+
+    @property
+    def slot_bits(self) -> int:
+        return _SLOT_MASK << (self.slot * TIER_BITS)
+
+    def counts(self) -> dict[str, int]:
+        return {tier: len(keys) for tier, keys in self.tiers.items()}
+
+
+class _SnapWorker(msgspec.Struct, array_like=True):
+    worker_id: str
+    instance_id: str
+    rank: int
+    world_size: int
+    namespaces: list[str]
+    p2p_endpoint: str
+    heartbeat_s: float
+    last_seq: int
+    tiers: dict[str, bytes]  # tier → little-endian uint64 chunk ints
+
+
+class Snapshot(msgspec.Struct, array_like=True):
+    version: int
+    saved_at: float
+    workers: list[_SnapWorker]
+
+
+class Registry:
+    def __init__(self) -> None:
+        self.workers: dict[str, WorkerEntry] = {}
+        self.holders: dict[int, int] = {}
+        self._slots: list[WorkerEntry | None] = []
+        self.bad_keys = 0
+
+    # -- membership ---------------------------------------------------------------------
+    def register(
+        self,
+        instance_id: str,
+        rank: int,
+        world_size: int,
+        namespaces: list[str],
+        p2p_endpoint: str,
+        heartbeat_s: float,
+        peer: bytes | None,
+    ) -> WorkerEntry:
+        """Add a worker, or refresh one already known (a reconnect, or one restored
+        from the snapshot): its chunks stay until its FullState replaces them."""
+        worker_id = f"{instance_id}/{rank}"
+        now = time.monotonic()
+        entry = self.workers.get(worker_id)
+        if entry is None:
+            entry = WorkerEntry(
+                worker_id,
+                instance_id,
+                rank,
+                world_size,
+                list(namespaces),
+                p2p_endpoint,
+                heartbeat_s,
+                self._free_slot(),
+                now,
+            )
+            self._slots[entry.slot] = entry
+            self.workers[worker_id] = entry
+        entry.world_size, entry.namespaces = world_size, list(namespaces)
+        entry.p2p_endpoint, entry.heartbeat_s = p2p_endpoint, heartbeat_s
+        entry.peer, entry.last_seen, entry.restored = peer, now, False
+        entry.last_seq, entry.resync_sent = 0, 0.0
+        return entry
+
+    def _free_slot(self) -> int:
+        for i, e in enumerate(self._slots):
+            if e is None:
+                return i
+        self._slots.append(None)
+        return len(self._slots) - 1
+
+    def drop(self, worker_id: str) -> int:
+        """Forget a worker and its chunks; returns how many chunk copies went."""
+        entry = self.workers.pop(worker_id, None)
+        if entry is None:
+            return 0
+        n = self._forget_chunks(entry)
+        self._slots[entry.slot] = None
+        return n
+
+    def _forget_chunks(self, entry: WorkerEntry) -> int:
+        holders, keep = self.holders, ~entry.slot_bits
+        n = 0
+        for keys in entry.tiers.values():
+            n += len(keys)
+            for k in keys:
+                m = holders.get(k, 0) & keep
+                if m:
+                    holders[k] = m
+                else:
+                    holders.pop(k, None)
+        entry.tiers = {}
+        return n
+
+    # -- events -------------------------------------------------------------------------
+    def apply(self, entry: WorkerEntry, events: list[tuple[int, str, str]]) -> None:
+        """Apply (kind, key, tier) events: kind 1 admit, 2 evict. A bad key is skipped
+        and counted."""
+        holders, tiers = self.holders, entry.tiers
+        for kind, key, tier in events:
+            try:
+                k = chunk_int(key)
+            except ValueError:
+                self.bad_keys += 1
+                continue
+            bit = entry.bit(tier)
+            keys = tiers.get(tier)
+            if keys is None:
+                keys = tiers[tier] = set()
+            if kind == 1:
+                holders[k] = holders.get(k, 0) | bit
+                keys.add(k)
+            elif k in keys:
+                keys.discard(k)
+                m = holders.get(k, 0) & ~bit
+                if m:
+                    holders[k] = m
+                else:
+                    del holders[k]
+
+    def replace_state(self, entry: WorkerEntry, tiers: dict[str, list[str]]) -> int:
+        """Make the worker's chunks exactly `tiers`; returns its chunk count."""
+        self._forget_chunks(entry)
+        for tier, keys in tiers.items():
+            self.apply(entry, [(1, key, tier) for key in keys])
+        return sum(len(s) for s in entry.tiers.values())
+
+    # -- lookups ------------------------------------------------------------------------
+    def locate(self, keys: list[str], exclude_instance: str) -> tuple[WorkerEntry, int] | None:
+        """The P2P-serving worker (not of exclude_instance) whose L1 holds the longest
+        run of keys from the first, with that run's length."""
+        if not keys:
+            return None
+        try:
+            first = self.holders.get(chunk_int(keys[0]), 0)
+        except ValueError:
+            return None
+        cand = first & self._l1_servers(exclude_instance)
+        if not cand:
+            return None
+        count = 1
+        holders = self.holders
+        for key in keys[1:]:
+            try:
+                m = cand & holders.get(chunk_int(key), 0)
+            except ValueError:
+                break
+            if not m:
+                break
+            cand, count = m, count + 1
+        slot = (cand & -cand).bit_length() - 1  # lowest set bit → its slot
+        entry = self._slots[slot // TIER_BITS]
+        assert entry is not None
+        return entry, count
+
+    def _l1_servers(self, exclude_instance: str) -> int:
+        # Recomputed per lookup: a handful of workers, cheaper than keeping it in sync.
+        mask = 0
+        for e in self.workers.values():
+            if e.p2p_endpoint and e.instance_id != exclude_instance:
+                mask |= e.bit("l1")
+        return mask
+
+    def chunks_total(self) -> int:
+        return len(self.holders)
+
+    # -- snapshot -----------------------------------------------------------------------
+    def snapshot(self) -> bytes:
+        """The registry as bytes (msgpack): workers and their chunk ints per tier."""
+        workers = []
+        for e in self.workers.values():
+            tiers = {t: array("Q", keys).tobytes() for t, keys in e.tiers.items()}
+            workers.append(
+                _SnapWorker(
+                    e.worker_id,
+                    e.instance_id,
+                    e.rank,
+                    e.world_size,
+                    e.namespaces,
+                    e.p2p_endpoint,
+                    e.heartbeat_s,
+                    e.last_seq,
+                    tiers,
+                )
+            )
+        return msgspec.msgpack.encode(Snapshot(SNAPSHOT_VERSION, time.time(), workers))
+
+    def load(self, data: bytes) -> int:
+        """Replace the registry with a snapshot's; its workers count as restored (and
+        seen now) until they register again or miss their heartbeats. Returns workers."""
+        snap = msgspec.msgpack.decode(data, type=Snapshot)
+        if snap.version != SNAPSHOT_VERSION:
+            raise ValueError(f"snapshot version {snap.version}, expected {SNAPSHOT_VERSION}")
+        self.__init__()
+        now = time.monotonic()
+        for w in snap.workers:
+            entry = WorkerEntry(
+                w.worker_id,
+                w.instance_id,
+                w.rank,
+                w.world_size,
+                w.namespaces,
+                w.p2p_endpoint,
+                w.heartbeat_s,
+                self._free_slot(),
+                now,
+                last_seq=w.last_seq,
+                restored=True,
+            )
+            self._slots[entry.slot] = entry
+            self.workers[entry.worker_id] = entry
+            for tier, raw in w.tiers.items():
+                ints = array("Q")
+                ints.frombytes(raw)
+                bit, keys = entry.bit(tier), set(ints)
+                entry.tiers[tier] = keys
+                for k in keys:
+                    self.holders[k] = self.holders.get(k, 0) | bit
+        return len(snap.workers)

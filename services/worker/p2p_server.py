@@ -1,0 +1,286 @@
+"""Serves this engine's L1 to peers (kvmesh.common.protocol.p2p), on the engine's loop.
+
+Only L1 is served: a peer asking for a chunk that lives only on our disk or remote
+tier gets a miss, since reading it here first would cost us I/O on someone else's
+behalf (and the peer can read the shared remote tier itself).
+
+- `ReadChunks` (ZMQ channel): the chunks go out as zero-copy frames; the server keeps
+  a reference on each until ZMQ has sent it, so the page cannot be reused meanwhile.
+- `PinChunks` (NIXL channel): the server takes a reference on each chunk (no eviction,
+  no reuse of its page) under a lease, and answers with addresses in the pool the
+  channel's agent registered. `ReleaseChunks` or the lease time drops them.
+- Each chunk's xxh3 is computed once (off the loop) and kept in `MemoryObj.checksum`:
+  L1 chunks never change after they are inserted.
+
+Anything malformed gets an ErrorReply; nothing a client sends stops the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import zmq
+import zmq.asyncio
+
+from kvmesh.common.keys import ChunkKey
+from kvmesh.common.memory import MemoryObj
+from kvmesh.common.observability import get_logger
+from kvmesh.common.protocol import p2p as proto
+from kvmesh.common.transport.channel import TransferChannel
+from kvmesh.services.worker.tiers.disk_format import dtype_name, payload_checksum
+
+if TYPE_CHECKING:
+    from kvmesh.services.worker.engine import KVEngine
+
+log = get_logger(__name__)
+
+COPY_BELOW = 1 << 20  # smaller payloads are copied: a send tracker costs more
+SEND_WAIT_S = 30.0  # a zero-copy frame ZMQ has not sent by then is leaked, not reused
+Handled = tuple[proto.Reply, list[MemoryObj]]
+
+
+class P2PServerError(RuntimeError):
+    """The server could not bind its endpoint."""
+
+
+class P2PServer:
+    def __init__(self, engine: KVEngine, channel: TransferChannel, host: str, port: int) -> None:
+        self.engine = engine
+        self.channel = channel
+        self.endpoint = f"tcp://{host}:{port}"
+        self.lease_s = max(10.0, 4 * engine.config.p2p.timeout_s)
+        self._leases: dict[int, tuple[list[MemoryObj], float]] = {}
+        self._lease_ids = itertools.count(1)
+        self._done: concurrent.futures.Future[None] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._bg: set[asyncio.Task[Any]] = set()
+        m = engine.stats.metrics
+        req = m.counter("p2p_server_requests_total", "Peer requests served", ["kind"])
+        self._requests = {k: req.labels(kind=k) for k in ("hello", "read", "pin", "release")}
+        self._errors = m.counter("p2p_server_errors_total", "Peer error replies", ["code"])
+        self._served = m.counter("p2p_served_bytes_total", "Chunk bytes handed to peers")
+        self._leased = m.gauge("p2p_server_leases", "NIXL leases holding chunks for peers")
+        self._served.inc(0)
+        self._leased.set(0)
+
+    # -- life cycle ---------------------------------------------------------------------
+    def start(self, timeout: float = 10.0) -> str:
+        """Bind and serve on the engine's loop; the bound endpoint (port 0 resolved)."""
+        bound: concurrent.futures.Future[str] = concurrent.futures.Future()
+        self._done = self.engine.loop.submit(self._main(bound))
+        try:
+            self.endpoint = bound.result(timeout)
+        except concurrent.futures.TimeoutError:
+            self.stop()
+            raise P2PServerError(f"p2p server did not bind {self.endpoint}") from None
+        log.info("p2p server listening", endpoint=self.endpoint, channel=self.channel.name)
+        return self.endpoint
+
+    def stop(self, timeout: float = 5.0) -> None:
+        done, self._done = self._done, None
+        if done is None or done.done() or not self.engine.loop.running:
+            return
+        self.engine.loop.loop.call_soon_threadsafe(self._cancel)
+        if self.engine.loop.in_loop_thread():
+            return
+        with contextlib.suppress(concurrent.futures.CancelledError, TimeoutError):
+            done.result(timeout)
+
+    def _cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _main(self, bound: concurrent.futures.Future[str]) -> None:
+        self._task = asyncio.current_task()
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.linger = 0
+        try:
+            try:
+                sock.bind(self.endpoint)
+            except zmq.ZMQError as exc:
+                bound.set_exception(P2PServerError(f"cannot bind {self.endpoint}: {exc}"))
+                return
+            bound.set_result(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+            expiry = asyncio.create_task(self._expire_leases())
+            try:
+                await self._serve(sock)
+            finally:
+                expiry.cancel()
+        finally:
+            for task in list(self._bg):
+                task.cancel()
+            sock.close(0)
+            ctx.term()
+            for lease in list(self._leases):
+                self._release(lease)
+
+    async def _serve(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            if len(frames) < 2:
+                continue  # no routing id and message: nothing to answer
+            reply, objs = await self.handle(frames[1:])
+            if isinstance(reply, proto.ErrorReply):
+                self._errors.labels(code=str(reply.code)).inc()
+            await self._send(sock, frames[0], reply, objs)
+
+    async def _send(
+        self, sock: zmq.asyncio.Socket, ident: bytes, reply: proto.Reply, objs: list[MemoryObj]
+    ) -> None:
+        """Send reply with the objs' bytes as payloads (ReadChunks), then drop their refs."""
+        payloads = [obj.raw.numpy() for obj in objs]
+        total = sum(p.nbytes for p in payloads)
+        zero_copy = total >= COPY_BELOW
+        try:
+            tracker = await sock.send_multipart(
+                [ident, proto.encode(reply), *payloads], copy=not zero_copy, track=zero_copy
+            )
+        except zmq.ZMQError as exc:
+            log.debug("p2p reply not sent", error=str(exc))
+            tracker = None
+        self._served.inc(total)
+        if zero_copy and tracker is not None:
+            task = asyncio.create_task(self._release_when_sent(tracker, objs))
+            self._bg.add(task)
+            task.add_done_callback(self._bg.discard)
+        else:
+            for obj in objs:
+                obj.ref_down()
+
+    async def _release_when_sent(self, tracker: zmq.MessageTracker, objs: list[MemoryObj]) -> None:
+        deadline = time.monotonic() + SEND_WAIT_S
+        while not tracker.done:
+            if time.monotonic() > deadline:
+                log.error("zero-copy chunk frames never sent; pages kept", chunks=len(objs))
+                return
+            await asyncio.sleep(0.001)
+        for obj in objs:
+            obj.ref_down()
+
+    # -- requests -----------------------------------------------------------------------
+    async def handle(self, frames: Sequence[bytes]) -> Handled:
+        """The reply to one request (without routing id), and the objects whose bytes
+        follow it as payload frames (one reference each, dropped once sent)."""
+        try:
+            msg = proto.decode_request(frames)
+        except proto.MalformedMessage as exc:
+            return exc.reply, []
+        try:
+            if isinstance(msg, proto.Hello):
+                return self._hello(msg), []
+            if isinstance(msg, proto.ReadChunks):
+                return await self._read(msg)
+            if isinstance(msg, proto.PinChunks):
+                return await self._pin(msg), []
+            return self._release_msg(msg), []
+        except _BadKey as exc:
+            return proto.error_reply(msg.rid, proto.ErrorCode.BAD_KEY, str(exc)), []
+        except Exception as exc:
+            log.exception("p2p request failed", request=type(msg).__name__)
+            return proto.error_reply(msg.rid, proto.ErrorCode.INTERNAL, repr(exc)), []
+
+    def _hello(self, msg: proto.Hello) -> proto.Reply:
+        self._requests["hello"].inc()
+        agent, metadata = self.channel.hello_fields()
+        e = self.engine
+        return proto.HelloReply(
+            msg.rid, proto.PROTOCOL_VERSION, e.instance_id, e.rank, agent, metadata
+        )
+
+    async def _held(self, keys: list[str], deadline: float) -> list[tuple[ChunkKey, MemoryObj]]:
+        """The L1 chunks of keys (missing ones left out), one reference each."""
+        parsed = []
+        for k in keys:
+            try:
+                parsed.append(ChunkKey.from_str(k))
+            except ValueError as exc:
+                raise _BadKey(str(exc)) from None
+        l1 = self.engine.storage.l1
+        held = [(key, obj) for key in parsed if (obj := l1.get(key)) is not None]
+        unsummed = [obj for _, obj in held if obj.checksum is None]
+        if unsummed:
+            # xxh3 of a big chunk takes milliseconds: not on the loop.
+            sums = await asyncio.to_thread(lambda: [_checksum(o) for o in unsummed])
+            for obj, s in zip(unsummed, sums, strict=True):
+                obj.checksum = s
+        if deadline and time.time() > deadline:
+            for _, obj in held:
+                obj.ref_down()
+            return []
+        return held
+
+    async def _read(self, msg: proto.ReadChunks) -> Handled:
+        self._requests["read"].inc()
+        held = await self._held(msg.keys, msg.deadline)
+        metas = [_meta(key, obj) for key, obj in held]
+        return proto.ReadChunksReply(msg.rid, metas), [obj for _, obj in held]
+
+    async def _pin(self, msg: proto.PinChunks) -> proto.Reply:
+        self._requests["pin"].inc()
+        if not self.channel.hello_fields()[0]:
+            return proto.error_reply(msg.rid, proto.ErrorCode.NO_NIXL, "this peer serves ZMQ only")
+        held = await self._held(msg.keys, msg.deadline)
+        lease = next(self._lease_ids)
+        if held:
+            self._leases[lease] = ([obj for _, obj in held], time.monotonic() + self.lease_s)
+            self._leased.set(len(self._leases))
+        metas = [_meta(key, obj, obj.data_ptr) for key, obj in held]
+        return proto.PinChunksReply(msg.rid, lease, metas)
+
+    def _release_msg(self, msg: proto.ReleaseChunks) -> proto.Reply:
+        self._requests["release"].inc()
+        return proto.ReleaseChunksReply(msg.rid, self._release(msg.lease))
+
+    def _release(self, lease: int) -> bool:
+        entry = self._leases.pop(lease, None)
+        self._leased.set(len(self._leases))
+        if entry is None:
+            return False
+        for obj in entry[0]:
+            obj.ref_down()
+        return True
+
+    async def _expire_leases(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.lease_s / 4))
+            now = time.monotonic()
+            for lease, (_, until) in list(self._leases.items()):
+                if until < now:
+                    log.warning("p2p lease expired unreleased", lease=lease)
+                    self._release(lease)
+
+    def lease_count(self) -> int:
+        return len(self._leases)
+
+
+class _BadKey(ValueError):
+    pass
+
+
+def _checksum(obj: MemoryObj) -> int:
+    return payload_checksum(memoryview(obj.raw.numpy()))
+
+
+def _meta(key: ChunkKey, obj: MemoryObj, addr: int = 0) -> proto.ChunkMeta:
+    assert obj.checksum is not None
+    return proto.ChunkMeta(
+        key.to_str(), obj.nbytes, obj.checksum, list(obj.shape), dtype_name(obj.dtype),
+        int(obj.fmt), addr,
+    )  # fmt: skip
+
+
+def attach_p2p_server(engine: KVEngine, channel: TransferChannel) -> P2PServer:
+    """Start serving engine's L1 to peers at `engine.p2p` host/port; `engine.close()`
+    stops it. Sets `engine.p2p_endpoint` (what the controller client registers)."""
+    cfg = engine.config.p2p
+    server = P2PServer(engine, channel, cfg.host, cfg.port)
+    engine.p2p_endpoint = server.start()
+    engine.add_close_hook(server.stop)
+    return server

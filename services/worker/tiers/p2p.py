@@ -1,0 +1,251 @@
+"""L2: chunks read from other engines' L1 through a TransferChannel.
+
+The tier stores nothing (`submit_put` is a no-op): peers find our chunks through the
+controller, which learns of them from our KV events.
+
+- **Lookups** (`batched_contains`, synchronous, from the scheduler's thread) ask the
+  engine's PeerLocator which peer holds the longest run of the keys, bounded by
+  `lookup_timeout_s`; the answer is remembered per key so the retrieve that follows
+  goes straight to that peer. No locator attached → 0. Pins are not possible on a
+  peer: a chunk it evicts meanwhile is a miss at retrieve time.
+- **Gets** (`aget`, on the engine's loop): the StorageManager asks for each key of a
+  prefix at once; gets for one peer that arrive in the same loop turn are read in one
+  batch (one request, one NIXL transfer). Each chunk is checked after landing: its
+  key, its dtype and size, and the xxh3 of its bytes. Whatever fails (dead peer,
+  deadline, bad reply, bad checksum, no memory) is a miss and is counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+from kvmesh.common.config import P2PConfig
+from kvmesh.common.keys import ChunkKey
+from kvmesh.common.memory import MemoryFormat, MemoryObj
+from kvmesh.common.observability import Metrics, get_logger
+from kvmesh.common.protocol.p2p import ChunkMeta
+from kvmesh.common.transport.channel import Landed, PeerError, TransferChannel
+from kvmesh.services.worker.loop_thread import LoopThread
+from kvmesh.services.worker.peer_locator import PeerLocator
+from kvmesh.services.worker.tiers.base import Allocator
+from kvmesh.services.worker.tiers.disk_format import dtype_from_name, payload_checksum
+from kvmesh.services.worker.tiers.p2p_stats import P2PStats
+
+log = get_logger(__name__)
+
+WHERE_CAPACITY = 1 << 16  # keys whose peer we remember between lookup and retrieve
+_Waiter = tuple[ChunkKey, "asyncio.Future[MemoryObj | None]", Allocator]
+
+
+class P2PTier:
+    name = "p2p"
+
+    def __init__(
+        self,
+        channel: TransferChannel,
+        loop: LoopThread,
+        config: P2PConfig,
+        locator: Callable[[], PeerLocator | None],
+        own_endpoint: Callable[[], str],
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.channel = channel
+        self.config = config
+        self._loop = loop
+        self._locator = locator
+        self._own = own_endpoint
+        self.stats = P2PStats(metrics)
+        self._where: OrderedDict[ChunkKey, str] = OrderedDict()
+        self._batches: dict[str, list[_Waiter]] = {}
+        self._reads: set[asyncio.Future[None]] = set()
+        self._closed = False
+
+    # -- lookups ------------------------------------------------------------------------
+    def _locate(self, keys: Sequence[ChunkKey]) -> tuple[str, int]:
+        """(peer endpoint, how many leading keys it holds); ("", 0) for none."""
+        locator = self._locator()
+        if locator is None or self._closed or not keys:
+            self.stats.lookups["no_locator" if locator is None else "none"].inc()
+            return "", 0
+        t0 = time.perf_counter()
+        try:
+            where = locator.locate(keys, self.config.lookup_timeout_s)
+        except Exception as exc:  # the contract says it never raises; be safe anyway
+            log.warning("peer locator failed", error=repr(exc))
+            self.stats.lookups["error"].inc()
+            return "", 0
+        finally:
+            self.stats.seconds["locate"].observe(time.perf_counter() - t0)
+        if where is None or where.count <= 0 or not where.endpoint:
+            self.stats.lookups["none"].inc()
+            return "", 0
+        if where.endpoint == self._own():
+            self.stats.lookups["self"].inc()
+            return "", 0
+        n = min(where.count, len(keys))
+        for key in keys[:n]:
+            self._where[key] = where.endpoint
+            self._where.move_to_end(key)
+        while len(self._where) > WHERE_CAPACITY:
+            self._where.popitem(last=False)
+        self.stats.lookups["found"].inc()
+        return where.endpoint, n
+
+    def batched_contains(self, keys: Sequence[ChunkKey], pin: bool = False) -> int:
+        return self._locate(keys)[1]
+
+    def contains(self, key: ChunkKey, pin: bool = False) -> bool:
+        return self.batched_contains([key], pin) == 1
+
+    # -- gets ---------------------------------------------------------------------------
+    async def aget(self, key: ChunkKey, allocator: Allocator) -> MemoryObj | None:
+        if self._closed:
+            return None
+        endpoint = self._where.get(key)
+        if endpoint is None:
+            # No lookup came first (a retrieve without lookup): ask now, off the loop,
+            # since a locator may itself wait on this loop.
+            endpoint, n = await asyncio.to_thread(self._locate, [key])
+            if not n:
+                self.stats.gets["no_peer"].inc()
+                return None
+        fut: asyncio.Future[MemoryObj | None] = asyncio.get_running_loop().create_future()
+        batch = self._batches.get(endpoint)
+        if batch is None:
+            batch = self._batches[endpoint] = []
+            # The other gets of this prefix start in this same loop turn: read them
+            # together once they have queued.
+            asyncio.get_running_loop().call_soon(self._start_batch, endpoint)
+        batch.append((key, fut, allocator))
+        return await fut
+
+    def _start_batch(self, endpoint: str) -> None:
+        waiters = self._batches.pop(endpoint, [])
+        if waiters:
+            task = asyncio.ensure_future(self._read_batch(endpoint, waiters))
+            self._reads.add(task)
+            task.add_done_callback(self._reads.discard)
+
+    async def _read_batch(self, endpoint: str, waiters: list[_Waiter]) -> None:
+        results: dict[ChunkKey, MemoryObj] = {}
+        t0 = time.perf_counter()
+        try:
+            allocator = waiters[0][2]
+            keys = [key.to_str() for key, _, _ in waiters]
+            landed = await self.channel.read(
+                endpoint, keys, self._alloc_fn(allocator), self.config.timeout_s
+            )
+            results = await self._verify(landed, {k for k, _, _ in waiters})
+        except PeerError as exc:
+            log.info("p2p read failed", peer=endpoint, error=str(exc))
+            self.stats.gets["error"].inc(len(waiters))
+            for key, _, _ in waiters:
+                self._where.pop(key, None)
+        except Exception:
+            log.exception("p2p read failed", peer=endpoint)
+            self.stats.gets["error"].inc(len(waiters))
+        finally:
+            self.stats.seconds["read"].observe(time.perf_counter() - t0)
+            for key, fut, _ in waiters:
+                obj = results.pop(key, None)
+                if fut.done():  # the waiter was cancelled (its deadline)
+                    if obj is not None:
+                        obj.ref_down()
+                else:
+                    fut.set_result(obj)
+            for obj in results.values():  # duplicates of one key
+                obj.ref_down()
+
+    def _alloc_fn(self, allocator: Allocator) -> Callable[[ChunkMeta], MemoryObj | None]:
+        def alloc(meta: ChunkMeta) -> MemoryObj | None:
+            try:
+                dtype = dtype_from_name(meta.dtype)
+                obj = allocator.allocate(tuple(meta.shape), dtype, MemoryFormat(meta.fmt))
+            except Exception as exc:  # full L1, or a description we cannot build
+                log.info("no buffer for a peer chunk", key=meta.key, error=repr(exc))
+                obj = None
+            if obj is None:
+                self.stats.gets["no_memory"].inc()
+            return obj
+
+        return alloc
+
+    async def _verify(
+        self, landed: list[Landed], asked: set[ChunkKey]
+    ) -> dict[ChunkKey, MemoryObj]:
+        """The landed chunks whose key was asked and whose bytes match their checksum;
+        the rest are dropped (counted as corrupt)."""
+
+        def check(meta: ChunkMeta, obj: MemoryObj) -> bool:
+            return (
+                obj.nbytes == meta.nbytes
+                and payload_checksum(memoryview(obj.raw.numpy())) == meta.checksum
+            )
+
+        # The checksum of a big chunk takes milliseconds without the GIL: off the loop,
+        # one thread per chunk so several cores share the work.
+        verdicts = await asyncio.gather(*(asyncio.to_thread(check, m, o) for m, o in landed))
+        good: dict[ChunkKey, MemoryObj] = {}
+        for (meta, obj), ok in zip(landed, verdicts, strict=True):
+            try:
+                key = ChunkKey.from_str(meta.key)
+            except ValueError:
+                key = None
+            if not ok or key not in asked or key in good:
+                self.stats.gets["corrupt"].inc()
+                log.warning("peer chunk failed its check; dropped", key=meta.key)
+                obj.ref_down()
+                continue
+            obj.key = key
+            obj.checksum = meta.checksum
+            good[key] = obj
+            self.stats.received.inc(meta.nbytes)
+            self.stats.gets["hit"].inc()
+        self.stats.gets["miss"].inc(len(asked) - len(good))
+        return good
+
+    def get(self, key: ChunkKey, allocator: Allocator) -> MemoryObj | None:
+        if self._loop.in_loop_thread():
+            raise RuntimeError("P2PTier.get from the engine's loop: await aget instead")
+        try:
+            return self._loop.run(self.aget(key, allocator), self.config.timeout_s + 1.0)
+        except TimeoutError:
+            return None
+
+    # -- the rest of the Tier interface: a peer tier holds nothing of its own -----------
+    def submit_put(self, key: ChunkKey, obj: MemoryObj) -> None:
+        return None
+
+    def remove(self, key: ChunkKey) -> bool:
+        self._where.pop(key, None)
+        return False
+
+    def clear(self) -> int:
+        self._where.clear()
+        return 0
+
+    def pin(self, key: ChunkKey) -> bool:
+        return False
+
+    def unpin(self, key: ChunkKey) -> bool:
+        return False
+
+    def touch(self, key: ChunkKey) -> None:
+        return None
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return True
+
+    def close(self) -> None:
+        """Close the channel on the loop (its sockets live there); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop.running and not self._loop.in_loop_thread():
+            try:
+                self._loop.run(self.channel.aclose(), 5.0)
+            except Exception as exc:
+                log.warning("p2p channel close failed", error=repr(exc))

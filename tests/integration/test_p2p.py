@@ -1,0 +1,234 @@
+"""The P2P tier across real processes: three engines, one in its own network namespace.
+
+A chunk stored on A is read by B from A's L1 (bitwise equal), over NIXL and over the
+ZMQ channel; C then reads it from B (which promoted it to its L1). A killed peer, a
+corrupted chunk and garbage sent to the peer server are misses or error replies, never
+wrong KV, a hang past the deadline, or a dead server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from kvmesh.common.protocol import p2p as proto
+
+TESTS = Path(__file__).resolve().parents[1]
+NS_IP, HOST_IP = "10.231.{}.2", "10.231.{}.1"
+
+
+class NodeProcess:
+    """`python -m kvtest.p2p` (one engine), optionally inside a network namespace."""
+
+    def __init__(self, tmp: Path, netns: str | None = None, **cfg) -> None:
+        cmd = [sys.executable, "-m", "kvtest.p2p", json.dumps(cfg)]
+        if netns is not None:
+            cmd = ["ip", "netns", "exec", netns, *cmd]
+        env = {**os.environ, "PYTHONPATH": str(TESTS)}
+        self.log = tmp / f"node-{cfg.get('name', 'x')}.log"
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log.open("w"),
+            text=True, env=env, cwd=TESTS,
+        )  # fmt: skip
+        self.info: dict | None = None
+
+    def ready(self, timeout: float = 30.0) -> dict:
+        self.info = self._answer(timeout)
+        return self.info
+
+    def _answer(self, timeout: float) -> dict:
+        assert self.proc.stdout is not None
+        readable, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not readable:
+            raise TimeoutError(f"no answer in {timeout}s; log:\n{self.log.read_text()[-3000:]}")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"node exited; log:\n{self.log.read_text()[-3000:]}")
+        answer = json.loads(line)
+        assert "error" not in answer, answer
+        return answer
+
+    def __call__(self, timeout: float = 20.0, **cmd) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._answer(timeout)
+
+    @property
+    def endpoint(self) -> str:
+        assert self.info is not None
+        return self.info["endpoint"]
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture
+def netns() -> Iterator[tuple[str, str]]:
+    """A network namespace joined to this one by a veth pair: (name, its address)."""
+    tag = os.getpid() % 250 + 1
+    name, host_if, ns_if = f"kvp2p{tag}", f"kvp2p{tag}h", f"kvp2p{tag}n"
+    ns_ip, host_ip = NS_IP.format(tag), HOST_IP.format(tag)
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    subprocess.run(["ip", "link", "del", host_if], capture_output=True)
+    for cmd in (
+        ["ip", "netns", "add", name],
+        ["ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if],
+        ["ip", "link", "set", ns_if, "netns", name],
+        ["ip", "addr", "add", f"{host_ip}/24", "dev", host_if],
+        ["ip", "link", "set", host_if, "up"],
+        ["ip", "netns", "exec", name, "ip", "addr", "add", f"{ns_ip}/24", "dev", ns_if],
+        ["ip", "netns", "exec", name, "ip", "link", "set", ns_if, "up"],
+        ["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"],
+    ):
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        # Fails loudly: the test needs root and `ip` (iproute2), as CI has.
+        assert done.returncode == 0, f"{' '.join(cmd)}: {done.stderr}"
+    try:
+        yield name, ns_ip
+    finally:
+        subprocess.run(["ip", "link", "del", host_if], capture_output=True)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> Iterator[list[NodeProcess]]:
+    started: list[NodeProcess] = []
+
+    def start(*specs: dict) -> list[NodeProcess]:
+        procs = [NodeProcess(tmp_path, **spec) for spec in specs]
+        started.extend(procs)
+        for p in procs:
+            p.ready()
+        return procs
+
+    yield start  # type: ignore[misc]
+    for p in started:
+        p.stop()
+
+
+@pytest.mark.parametrize("channel", ["nixl", "zmq"])
+def test_chunk_stored_on_a_is_read_by_b_from_a_memory_then_by_c_from_b(
+    nodes, netns, channel: str
+) -> None:
+    ns, ns_ip = netns
+    a, b, c = nodes(
+        {"name": "a", "seed": 1, "channel": channel, "netns": ns, "host": ns_ip},
+        {"name": "b", "channel": channel},
+        {"name": "c", "channel": channel},
+    )
+    for node in (a, b, c):
+        assert node.info["channel"] == channel
+        assert node.info["tiers"][:2] == ["l1", "p2p"]
+    assert a.endpoint.startswith(f"tcp://{ns_ip}:")
+    stored = a(op="store", seed=7, n=80)
+    assert stored["stored"] == 80 and len(stored["keys"]) == 5
+    b(op="locate", keys=stored["keys"], endpoint=a.endpoint)
+    got = b(op="retrieve", seed=7, n=80)
+    assert got["lookup"] == 80 and got["loaded"] == 80
+    assert got["kv"] == stored["kv"]  # bitwise: the raw bytes of every slot
+    assert got["p2p_tokens"] == 80 and got["gets"]["hit"] == 5
+    # B promoted the chunks to its L1: C reads them from B, and A is not asked.
+    c(op="locate", keys=stored["keys"], endpoint=b.endpoint)
+    a.kill()
+    got_c = c(op="retrieve", seed=7, n=80)
+    assert got_c["loaded"] == 80 and got_c["kv"] == stored["kv"]
+    # A second retrieve on B is served by its own L1.
+    again = b(op="retrieve", seed=7, n=80)
+    assert again["loaded"] == 80 and again["p2p_tokens"] == 80
+
+
+@pytest.mark.parametrize("channel", ["nixl", "zmq"])
+def test_killed_peer_is_a_miss_within_the_deadline(nodes, channel: str) -> None:
+    a, b = nodes(
+        {"name": "a", "seed": 2, "channel": channel},
+        {"name": "b", "channel": channel, "timeout_s": 0.5},
+    )
+    first = a(op="store", seed=1, n=32)
+    second = a(op="store", seed=2, n=32)
+    b(op="locate", keys=first["keys"] + second["keys"], endpoint=a.endpoint)
+    assert b(op="retrieve", seed=1, n=32)["loaded"] == 32  # connection and agent known
+    a.kill()
+    t0 = time.monotonic()
+    got = b(op="retrieve", seed=2, n=32)
+    assert got["loaded"] == 0 and got["gets"]["error"] >= 2
+    # lookup (locator: instant) + one read bounded by timeout_s = 0.5, plus slack.
+    assert time.monotonic() - t0 < 2.5
+
+
+@pytest.mark.parametrize("channel", ["nixl", "zmq"])
+def test_corrupted_chunk_is_a_miss(nodes, channel: str) -> None:
+    a, b = nodes({"name": "a", "seed": 3, "channel": channel}, {"name": "b", "channel": channel})
+    stored = a(op="store", seed=3, n=48)
+    assert a(op="corrupt")["corrupted"] == 3
+    b(op="locate", keys=stored["keys"], endpoint=a.endpoint)
+    got = b(op="retrieve", seed=3, n=48)
+    assert got["loaded"] == 0 and got["p2p_tokens"] == 0
+    assert got["gets"]["corrupt"] == 3 and got["gets"]["hit"] == 0
+    if channel == "nixl":  # leases were released after the read
+        assert a(op="leases")["leases"] == 0
+
+
+def test_bad_messages_get_error_replies_and_the_server_keeps_serving(nodes) -> None:
+    a, b = nodes({"name": "a", "seed": 4, "channel": "nixl"}, {"name": "b", "channel": "nixl"})
+    stored = a(op="store", seed=4, n=32)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.rcvtimeo = 3000
+    sock.connect(a.endpoint)
+    enc = msgspec.msgpack.encode
+    cases = [
+        ([b"\xc1garbage"], proto.ErrorCode.BAD_MESSAGE),
+        ([proto.encode(proto.Hello(5, 1))[:-2]], proto.ErrorCode.BAD_MESSAGE),  # truncated
+        ([enc(["launch", 6, 1])], proto.ErrorCode.UNKNOWN_MESSAGE),
+        ([proto.encode(proto.Hello(7, 99))], proto.ErrorCode.VERSION_MISMATCH),
+        ([proto.encode(proto.Hello(8, 1)), b"extra"], proto.ErrorCode.BAD_MESSAGE),
+        ([enc(["read", 9, 1, ["../../etc/passwd"], 0.0])], proto.ErrorCode.BAD_KEY),
+        ([enc(["read", 10, 1, "not-a-list"])], proto.ErrorCode.BAD_MESSAGE),
+        ([enc(["pin", 11, 1, ["x" * 100], 0.0])], proto.ErrorCode.BAD_KEY),
+    ]
+    try:
+        for frames, code in cases:
+            sock.send_multipart(frames)
+            reply = proto.decode_reply(sock.recv_multipart())
+            assert isinstance(reply, proto.ErrorReply), (frames, reply)
+            assert reply.code == code, (frames, reply)
+        assert reply.rid == 0 or reply.rid == 11
+        sock.send(proto.encode(proto.Hello(12, proto.PROTOCOL_VERSION)))
+        hello = proto.decode_reply(sock.recv_multipart())
+        assert isinstance(hello, proto.HelloReply) and hello.agent and hello.rid == 12
+        # A read of a key A lacks is an empty answer, not an error.
+        missing = stored["keys"][0][:-4] + "0000"
+        sock.send(proto.encode(proto.ReadChunks(13, 1, [missing, stored["keys"][1]])))
+        frames = sock.recv_multipart()
+        reply = proto.decode_reply(frames)
+        assert isinstance(reply, proto.ReadChunksReply)
+        assert [m.key for m in reply.chunks] == [stored["keys"][1]] and len(frames) == 2
+    finally:
+        sock.close(0)
+        ctx.term()
+    b(op="locate", keys=stored["keys"], endpoint=a.endpoint)
+    got = b(op="retrieve", seed=4, n=32)
+    assert got["loaded"] == 32 and got["kv"] == stored["kv"]
