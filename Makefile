@@ -23,6 +23,10 @@ bench: install
 	$(VENV)/bin/python -m benchmarks.allocator
 	$(VENV)/bin/python -m benchmarks.disk
 	$(VENV)/bin/python -m benchmarks.remote
+	$(VENV)/bin/python -m benchmarks.engine
+	$(VENV)/bin/python -m benchmarks.controller
+	$(VENV)/bin/python -m benchmarks.p2p
+	$(VENV)/bin/python -m benchmarks.ttft
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

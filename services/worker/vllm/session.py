@@ -76,12 +76,21 @@ def _engine_stats(instance_id: str) -> dict[str, float]:
         "lookups": ("requests_total", {"op": "lookup"}),
         "retrieves": ("requests_total", {"op": "retrieve"}),
         "tokens_hit_l1": ("tokens_hit_total", {"tier": "l1"}),
+        "store_seconds": ("op_latency_seconds_sum", {"op": "store"}),
+        "lookup_seconds": ("op_latency_seconds_sum", {"op": "lookup"}),
+        "retrieve_seconds": ("op_latency_seconds_sum", {"op": "retrieve"}),
         "lookup_server_requests": ("lookup_server_requests_total", {"kind": "lookup"}),
     }
     for result in ("written", "error", "down", "duplicate", "queue_full"):
         names[f"remote_puts_{result}"] = ("remote_puts_total", {"result": result})
     for result in ("cached", "asked", "down", "timeout", "error"):
         names[f"remote_lookups_{result}"] = ("remote_lookups_total", {"result": result})
+    names["tokens_hit_p2p"] = ("tokens_hit_total", {"tier": "p2p"})
+    names["p2p_received_bytes"] = ("p2p_received_bytes_total", None)
+    for result in ("hit", "miss", "no_peer", "error", "corrupt", "no_memory"):
+        names[f"p2p_gets_{result}"] = ("p2p_gets_total", {"result": result})
+    for result in ("found", "none", "no_locator", "self", "error"):
+        names[f"p2p_lookups_{result}"] = ("p2p_lookups_total", {"result": result})
     out = {}
     for key, (name, labels) in names.items():
         value = m.value(name, labels)
