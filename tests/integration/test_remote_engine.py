@@ -92,7 +92,9 @@ def test_killing_the_cacheserver_mid_load(server) -> None:
         time.sleep(0.8)
         server.kill()
         t0 = time.monotonic()
-        while remote.up and time.monotonic() - t0 < 5:
+        # An upper bound only (the loop ends when it is noticed): generous, because a
+        # loaded machine delays the health checks themselves.
+        while remote.up and time.monotonic() - t0 < 15:
             time.sleep(0.01)
         assert not remote.up, "the dead cache-server was not noticed"
         time.sleep(0.7)  # load goes on against a dead remote
@@ -148,7 +150,8 @@ def test_a_frozen_cacheserver_costs_at_most_the_deadline(server) -> None:
             loaded = eng.retrieve(asked, torch.randperm(SLOTS)[:16])
             times.append(time.perf_counter() - t0)
             assert not bool(loaded.any())
-        assert max(times) < 0.05 + deadline_s + 0.25, times
+        # The lookup's and the get's deadlines, plus room for a loaded machine.
+        assert max(times) < 0.05 + deadline_s + 0.6, times
         assert not remote.up
         assert times[-1] < 0.05, "misses were not instant once the remote was down"
     finally:
