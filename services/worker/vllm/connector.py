@@ -108,9 +108,13 @@ class KvmeshConnector(KVConnectorBase_V1):
                     "vLLM recompute it instead",
                     kvt.kv_load_failure_policy,
                 )
+            # MLA: every rank holds the same latent KV and only rank 0 stores it (the
+            # others get it by broadcast), so rank 0 alone knows what is cached; the
+            # minimum over all ranks would always be 0.
+            asked_ranks = 1 if vllm_config.model_config.use_mla else world_size
             client = LookupClient.for_instance(
                 self.instance_id,
-                world_size,
+                asked_ranks,
                 engine_cfg.lookup_endpoint,
                 timeout_s=options.lookup_timeout_s,
                 client_name=f"vllm-scheduler-{self.instance_id}",
