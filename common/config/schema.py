@@ -210,6 +210,17 @@ class LookupConfig(_Section):
     port: Port = 7610
     metrics_port: Port = 0
     request_timeout_s: PositiveSeconds = 5.0
+    # Where the workers' lookup endpoints and the chunk registry come from.
+    controller_url: str = "tcp://127.0.0.1:7600"
+    # Deadlines: asking one instance's workers, and asking the controller.
+    worker_timeout_s: PositiveSeconds = 0.5
+    controller_timeout_s: PositiveSeconds = 0.5
+    # How long the list of workers (and their endpoints) is reused before re-asking.
+    registry_refresh_s: PositiveSeconds = 1.0
+    # How the engines hash chunks (must match engine.chunk_size / hash_algorithm):
+    # used to turn tokens into chunk hashes for best_instances.
+    chunk_size: PositiveInt = 256
+    hash_algorithm: HashAlgorithm = "xxh3_128"
 
 
 class CacheServerConfig(_Section):

@@ -21,6 +21,9 @@ before it was applied. Batches are fire-and-forget (no reply) unless refused.
   dropped with its chunks); `Deregister` on a clean shutdown.
 - `P2PLookup(keys, exclude_instance)` → the peer whose L1 holds the longest run of
   keys from the first (count 0: nobody). Only workers that registered a P2P endpoint.
+- `PrefixCounts(hashes, instance_id)` → per instance, the leading chunks of a prompt
+  that all of its ranks hold (any tier, and L1): what the lookup-server ranks
+  instances by. Only workers' registered namespaces are matched (no tenants).
 - Admin: `Clear`, `Pin`, `Health`, `Move`, `Compress` fan out to the workers (all, or
   one instance's) and answer `AdminReply(event_id, results)` with one `WorkerResult`
   per worker, a worker that missed the deadline included (ok=False, error "timeout").
@@ -88,6 +91,8 @@ class Register(_Msg, tag="register"):
     # Where the engine serves its L1 to peers; "" when it serves none.
     p2p_endpoint: str = ""
     heartbeat_s: float = 1.0
+    # Where the engine answers the lookup protocol (common/protocol/lookup.py); "" none.
+    lookup_endpoint: str = ""
 
 
 class Deregister(_Msg, tag="deregister"):
@@ -139,6 +144,18 @@ class P2PLookup(_Msg, tag="p2p_lookup"):
 
 class ListWorkers(_Msg, tag="list_workers"):
     rid: int
+
+
+class PrefixCounts(_Msg, tag="prefix_counts"):
+    """How many leading chunks of a prompt each instance holds, from the registry.
+
+    `hashes` are the prompt's 16-byte chained chunk hashes (namespace-free: the
+    controller pairs them with each worker's registered namespaces). An instance
+    counts a chunk when every one of its ranks holds it in some tier."""
+
+    rid: int
+    hashes: list[bytes]
+    instance_id: str = ""  # "" = every instance
 
 
 class Clear(_Msg, tag="clear"):
@@ -193,6 +210,7 @@ Request = (
     | CommandReply
     | P2PLookup
     | ListWorkers
+    | PrefixCounts
     | Clear
     | Pin
     | Health
@@ -269,11 +287,25 @@ class WorkerInfo(msgspec.Struct, frozen=True, array_like=True, gc=False):
     last_seq: int
     seen_s_ago: float
     restored: bool  # known from the snapshot, not re-registered yet
+    lookup_endpoint: str = ""
 
 
 class ListWorkersReply(_Msg, tag="list_workers_r"):
     rid: int
     workers: list[WorkerInfo]
+
+
+class InstancePrefix(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    instance_id: str
+    world_size: int
+    ranks: int  # ranks registered; fewer than world_size: chunks is 0
+    chunks: int  # leading chunks every rank holds, in any tier
+    l1_chunks: int  # of those, leading chunks every rank holds in L1
+
+
+class PrefixCountsReply(_Msg, tag="prefix_counts_r"):
+    rid: int
+    instances: list[InstancePrefix]  # most chunks first
 
 
 class WorkerResult(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -306,6 +338,7 @@ Reply = (
     | FullStateReply
     | P2PLookupReply
     | ListWorkersReply
+    | PrefixCountsReply
     | AdminReply
     | ErrorReply
 )

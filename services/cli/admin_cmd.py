@@ -5,6 +5,7 @@
     kvmesh admin clear [--instance I] [--tier T]
     kvmesh admin pin KEY... [--instance I] [--unpin]
     kvmesh admin health [--instance I]   each worker's own health (chunks, memory)
+    kvmesh admin lookup TOKENS [--instance I]   cached prefix (via the lookup-server)
 
 Admin commands print one result per worker and exit 1 when any worker failed or
 timed out, 3 when the controller did not answer.
@@ -16,6 +17,7 @@ import asyncio
 import json
 import sys
 import uuid
+from pathlib import Path
 from typing import Any
 
 import click
@@ -145,3 +147,77 @@ def health(ctx: click.Context, instance: str) -> None:
     """Ask every worker for its health (chunks, memory, events dropped)."""
     ev = uuid.uuid4().hex
     _print_results(ctx, _call(ctx, lambda r: proto.Health(r, ev, instance), proto.AdminReply))
+
+
+def _read_tokens(spec: str) -> list[int]:
+    """`START:STOP` (token ids START..STOP-1) or a file of ids (a JSON list, or ids
+    separated by white space or commas)."""
+    if ":" in spec and not Path(spec).exists():
+        start, _, stop = spec.partition(":")
+        try:
+            return list(range(int(start), int(stop)))
+        except ValueError:
+            raise click.BadParameter(f"{spec!r}: expected START:STOP") from None
+    try:
+        text = Path(spec).read_text()
+    except OSError as exc:
+        raise click.BadParameter(f"{spec}: {exc.strerror}") from None
+    try:
+        ids = json.loads(text) if text.lstrip().startswith("[") else text.replace(",", " ").split()
+        return [int(t) for t in ids]
+    except (ValueError, TypeError):
+        raise click.BadParameter(f"{spec}: not a list of token ids") from None
+
+
+@admin.command("lookup")
+@click.argument("tokens")
+@click.option("--instance", default="", help="Ask this instance's workers (default: rank all).")
+@click.option(
+    "--lookup-url",
+    envvar="KVMESH_LOOKUP_URL",
+    default="tcp://127.0.0.1:7610",
+    show_default=True,
+    help="The lookup-server (env KVMESH_LOOKUP_URL).",
+)
+@click.option("--lookup-id", default="", help="Pin what was counted under this id.")
+@click.pass_context
+def lookup(ctx: click.Context, tokens: str, instance: str, lookup_url: str, lookup_id: str) -> None:
+    """How many leading TOKENS (START:STOP or a file of ids) are cached: on one
+    instance (asking its workers), or on every instance, best first."""
+    from kvmesh.services.lookup.client import (
+        LookupServiceClient,
+        LookupServiceError,
+        LookupServiceUnavailable,
+    )
+
+    ids = _read_tokens(tokens)
+
+    async def main() -> Any:
+        async with LookupServiceClient(lookup_url, timeout_s=ctx.obj["timeout_s"], name="cli") as c:
+            if instance:
+                return await c.lookup(instance, ids, lookup_id=lookup_id, pin=bool(lookup_id))
+            return await c.best_instances(ids)
+
+    try:
+        result = asyncio.run(main())
+    except LookupServiceUnavailable as exc:
+        click.echo(f"error: lookup-server at {lookup_url} did not answer: {exc}", err=True)
+        sys.exit(EXIT_UNREACHABLE)
+    except LookupServiceError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_FAILED)
+    if instance:
+        if ctx.obj["json"]:
+            click.echo(json.dumps(msgspec.structs.asdict(result)))
+        else:
+            ranks = " ".join(str(h) for h in result.per_rank)
+            click.echo(
+                f"{instance}  hit_tokens={result.hit_tokens} l1_tokens={result.l1_tokens} "
+                f"per_rank=[{ranks}] of {len(ids)}"
+            )
+        return
+    if ctx.obj["json"]:
+        click.echo(json.dumps([msgspec.structs.asdict(i) for i in result]))
+        return
+    for i in result:
+        click.echo(f"{i.instance_id}  hit_tokens={i.hit_tokens} l1_tokens={i.l1_tokens}")

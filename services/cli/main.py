@@ -11,6 +11,7 @@ from kvmesh.services.cli.config_cmd import config
 from kvmesh.services.cli.controller_cmd import controller
 from kvmesh.services.cli.demo_cmd import demo
 from kvmesh.services.cli.disk_cmd import disk
+from kvmesh.services.cli.lookup_cmd import lookup
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -26,6 +27,7 @@ def serve() -> None:
 
 serve.add_command(cacheserver)
 serve.add_command(controller)
+serve.add_command(lookup)
 cli.add_command(admin)
 cli.add_command(config)
 cli.add_command(demo)

@@ -46,6 +46,7 @@ class Handlers:
             proto.CommandReply: self.command_reply,
             proto.P2PLookup: self.p2p_lookup,
             proto.ListWorkers: self.list_workers,
+            proto.PrefixCounts: self.prefix_counts,
             proto.CheckFinish: self.check_finish,
         }
         self.async_table: dict[type, AsyncHandler] = {
@@ -70,6 +71,7 @@ class Handlers:
             msg.p2p_endpoint,
             msg.heartbeat_s,
             peer,
+            msg.lookup_endpoint,
         )
         self.stats.workers.set(len(self.registry.workers))
         return proto.RegisterReply(msg.rid, entry.worker_id)
@@ -159,6 +161,14 @@ class Handlers:
             msg.rid, entry.instance_id, entry.rank, entry.p2p_endpoint, count
         )
 
+    def prefix_counts(self, peer: bytes, msg: proto.PrefixCounts) -> Any:
+        if len(msg.hashes) > proto.MAX_LOOKUP_KEYS:
+            return proto.error(msg.rid, ErrorCode.BAD_REQUEST, "too many hashes")
+        if any(len(h) != 16 for h in msg.hashes):
+            return proto.error(msg.rid, ErrorCode.BAD_REQUEST, "hashes must be 16 bytes each")
+        counts = self.registry.prefix_counts(msg.hashes, msg.instance_id)
+        return proto.PrefixCountsReply(msg.rid, [proto.InstancePrefix(*c) for c in counts])
+
     def list_workers(self, peer: bytes, msg: proto.ListWorkers) -> Any:
         return proto.ListWorkersReply(msg.rid, self.worker_infos())
 
@@ -175,6 +185,7 @@ class Handlers:
                 e.last_seq,
                 round(now - e.last_seen, 3),
                 e.restored,
+                e.lookup_endpoint,
             )
             for e in sorted(self.registry.workers.values(), key=lambda e: e.worker_id)
         ]

@@ -52,6 +52,7 @@ class WorkerEntry:
     restored: bool = False
     resync_sent: float = 0.0  # monotonic time of a pending Resync, 0 = none pending
     tiers: dict[str, set[int]] = field(default_factory=dict)
+    lookup_endpoint: str = ""
 
     def bit(self, tier: str) -> int:
         return 1 << (self.slot * TIER_BITS + TIER_INDEX.get(tier, OTHER_TIER))
@@ -74,6 +75,7 @@ class _SnapWorker(msgspec.Struct, array_like=True):
     heartbeat_s: float
     last_seq: int
     tiers: dict[str, bytes]  # tier → little-endian uint64 chunk ints
+    lookup_endpoint: str = ""
 
 
 class Snapshot(msgspec.Struct, array_like=True):
@@ -99,6 +101,7 @@ class Registry:
         p2p_endpoint: str,
         heartbeat_s: float,
         peer: bytes | None,
+        lookup_endpoint: str = "",
     ) -> WorkerEntry:
         """Add a worker, or refresh one already known (a reconnect, or one restored
         from the snapshot): its chunks stay until its FullState replaces them."""
@@ -121,6 +124,7 @@ class Registry:
             self.workers[worker_id] = entry
         entry.world_size, entry.namespaces = world_size, list(namespaces)
         entry.p2p_endpoint, entry.heartbeat_s = p2p_endpoint, heartbeat_s
+        entry.lookup_endpoint = lookup_endpoint
         entry.peer, entry.last_seen, entry.restored = peer, now, False
         entry.last_seq, entry.resync_sent = 0, 0.0
         return entry
@@ -224,6 +228,48 @@ class Registry:
                 mask |= e.bit("l1")
         return mask
 
+    def prefix_counts(
+        self, hashes: list[bytes], instance_id: str = ""
+    ) -> list[tuple[str, int, int, int, int]]:
+        """(instance id, world size, ranks registered, chunks, l1 chunks) per instance
+        (or just instance_id), most chunks first: the leading run of hashes that every
+        rank holds, in any tier and in L1. A rank not registered holds nothing."""
+        tails = [int.from_bytes(h[8:16], "big") for h in hashes]
+        per_instance: dict[str, list[tuple[int, int]]] = {}
+        sizes: dict[str, int] = {}
+        for e in self.workers.values():
+            if instance_id and e.instance_id != instance_id:
+                continue
+            sizes[e.instance_id] = max(sizes.get(e.instance_id, 0), e.world_size)
+            best = (0, 0)
+            for ns in e.namespaces:
+                best = max(best, self._run(tails, int(ns, 16), e.slot_bits, e.bit("l1")))
+            per_instance.setdefault(e.instance_id, []).append(best)
+        out = []
+        for inst, runs in per_instance.items():
+            size = sizes[inst]
+            full = len(runs) >= size
+            chunks = min(r[0] for r in runs) if full else 0
+            l1_chunks = min(r[1] for r in runs) if full else 0
+            out.append((inst, size, len(runs), chunks, l1_chunks))
+        out.sort(key=lambda t: (-t[3], -t[4], t[0]))
+        return out
+
+    def _run(self, tails: list[int], ns: int, any_bits: int, l1_bit: int) -> tuple[int, int]:
+        holders = self.holders
+        n = n_l1 = 0
+        in_l1 = True
+        for tail in tails:
+            m = holders.get((tail ^ ns) & _MASK60, 0)
+            if not m & any_bits:
+                break
+            n += 1
+            if in_l1 and m & l1_bit:
+                n_l1 += 1
+            else:
+                in_l1 = False
+        return n, n_l1
+
     def chunks_total(self) -> int:
         return len(self.holders)
 
@@ -244,6 +290,7 @@ class Registry:
                     e.heartbeat_s,
                     e.last_seq,
                     tiers,
+                    e.lookup_endpoint,
                 )
             )
         return msgspec.msgpack.encode(Snapshot(SNAPSHOT_VERSION, time.time(), workers))
@@ -269,6 +316,7 @@ class Registry:
                 now,
                 last_seq=w.last_seq,
                 restored=True,
+                lookup_endpoint=w.lookup_endpoint,
             )
             self._slots[entry.slot] = entry
             self.workers[entry.worker_id] = entry

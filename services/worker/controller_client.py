@@ -52,6 +52,7 @@ class ControllerClient:
         self.registered = False
         self.registrations = 0
         self.resyncs = 0
+        self._sent_lookup_endpoint = ""
 
     # -- lifecycle (on the engine's loop) ----------------------------------------------
     async def start(self) -> None:
@@ -106,13 +107,21 @@ class ControllerClient:
                     await asyncio.sleep(self.cfg.heartbeat_s)
                     continue
             await asyncio.sleep(self.cfg.heartbeat_s)
+            if self._lookup_endpoint() != self._sent_lookup_endpoint:
+                # A lookup server bound after we registered: register it too.
+                self.registered = False
+                continue
             await self._heartbeat()
+
+    def _lookup_endpoint(self) -> str:
+        return str(getattr(self.engine, "lookup_endpoint", "") or "")
 
     async def _register(self) -> None:
         conn = self._conn
         assert conn is not None
         await conn.hello()
         engine = self.engine
+        lookup_endpoint = self._lookup_endpoint()
         await conn.request(
             proto.Register(
                 conn.next_rid(),
@@ -122,9 +131,11 @@ class ControllerClient:
                 [engine.namespace.ns_id],
                 str(getattr(engine, "p2p_endpoint", "") or ""),
                 self.cfg.heartbeat_s,
+                lookup_endpoint,
             ),
             proto.RegisterReply,
         )
+        self._sent_lookup_endpoint = lookup_endpoint
         await self._send_full_state()
         self.registered = True
         self.registrations += 1

@@ -72,6 +72,8 @@ class KVEngine:
         self.peer_locator: PeerLocator | None = None
         # Where this engine serves its L1 to peers ("" when P2P is off).
         self.p2p_endpoint: str = ""
+        # Where this engine answers lookups ("" until attach_lookup_server binds).
+        self.lookup_endpoint: str = ""
 
         self.copier = make_copier(kv_caches)
         self.layout = self.copier.layout

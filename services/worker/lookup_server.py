@@ -260,6 +260,7 @@ def attach_lookup_server(engine: KVEngine, endpoint: str | None = None) -> Looku
             engine.config.lookup_endpoint, engine.instance_id, engine.rank
         )
     server = LookupServer(engine, endpoint)
-    server.start()
+    # The controller client registers this (again, if it registered before).
+    engine.lookup_endpoint = server.start()
     engine.add_close_hook(server.stop)
     return server

@@ -34,6 +34,8 @@ REQUESTS = [
     proto.Move(12, "ev", [KEY], "a", "b", True),
     proto.Compress(13, "ev", "a", "zstd"),
     proto.CheckFinish(14, "ev"),
+    proto.PrefixCounts(15, [b"\x01" * 16], "inst"),
+    proto.Register(16, "inst", 0, 1, [], "", 1.0, "tcp://h:2"),
 ]
 REPLIES = [
     proto.HelloReply(1, 1, "c"),
@@ -45,7 +47,14 @@ REPLIES = [
     proto.ListWorkersReply(8, [proto.WorkerInfo("a/0", "a", 0, 1, "", {"l1": 2}, 5, 0.1, False)]),
     proto.AdminReply(9, "ev", True, [proto.WorkerResult("a/0", False, 0, "timeout")]),
     proto.ErrorReply(10, 1, "bad", False),
+    proto.PrefixCountsReply(11, [proto.InstancePrefix("a", 2, 2, 3, 1)]),
 ]
+
+
+def test_old_register_and_worker_info_read_with_empty_lookup_endpoint() -> None:
+    # What a version-1 worker without a lookup endpoint sends: 8 fields, not 9.
+    old = msgspec.msgpack.encode(["register", 1, "i", 0, 1, [], "", 1.0])
+    assert proto.request_decoder.decode(old).lookup_endpoint == ""
 
 
 @pytest.mark.parametrize("msg", REQUESTS, ids=lambda m: m.__struct_config__.tag)

@@ -1,0 +1,234 @@
+"""The lookup-server's protocol (version 1): schedulers and routers ask the mesh.
+
+One ZMQ frame per message, a tagged array-like Struct encoded as msgpack; clients
+connect DEALER sockets to the lookup-server's ROUTER. Every request carries `rid`
+(echoed by its reply) and `version` (checked on every request: a mismatch gets
+`ErrorReply(VERSION_MISMATCH)`).
+
+- `Lookup(instance_id, lookup_id, tokens | hashes, pin)` (scheduler-facing): how many
+  leading tokens of a prompt one instance holds. With `tokens` (little-endian uint32,
+  `lookup.encode_tokens`) the server asks each of the instance's workers at their
+  registered lookup endpoints (deadline `worker_timeout_s`), answers the minimum over
+  ranks, and the workers pin what they counted under `lookup_id` when `pin`. A rank
+  that does not answer makes the answer 0 (`per_rank` holds -1 for it). With
+  `hashes` (16-byte chained chunk hashes) there are no tokens to give the workers:
+  the answer comes from the controller's registry, in chunks × `chunk_size`, and
+  nothing is pinned. `l1_tokens` is the part of the prefix every rank holds in L1
+  (registry view; -1 when the controller did not answer).
+- `Release(instance_id, lookup_id)`: drop the pins of a lookup on every rank.
+- `BestInstances(tokens | hashes, limit)` (router-facing): instances ranked by the
+  cached prefix length, from the controller's registry (no worker is asked).
+- `Hello` → `HelloReply(version, server, chunk_size)`.
+- Errors: `ErrorReply(rid, code, message, retryable)`; anything malformed gets one,
+  with `rid` 0 unless it could still be read.
+
+Evolution: fields are only appended, with defaults; new messages get new tags; a
+change of meaning bumps PROTOCOL_VERSION.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import msgspec
+
+from kvmesh.common.protocol.lookup import MAX_ID_CHARS, MAX_TOKENS, TOKEN_BYTES
+
+PROTOCOL_VERSION = 1
+HASH_BYTES = 16
+MAX_HASHES = 16_384  # the controller's own limit per lookup
+
+
+class ErrorCode(IntEnum):
+    """Why a request failed. Values travel on the wire: append, never renumber."""
+
+    BAD_MESSAGE = 1
+    UNKNOWN_MESSAGE = 2
+    VERSION_MISMATCH = 3
+    BAD_TOKENS = 4
+    UNKNOWN_INSTANCE = 5
+    UNAVAILABLE = 6  # the controller did not answer in time
+    INTERNAL = 7
+    SHUTTING_DOWN = 8
+
+
+RETRYABLE = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.SHUTTING_DOWN})
+
+
+class _Msg(msgspec.Struct, tag=True, frozen=True, array_like=True, gc=False):
+    """Base of every message: tagged (the tag is the first array element)."""
+
+
+# -- requests ----------------------------------------------------------------------------
+
+
+class Hello(_Msg, tag="hello"):
+    rid: int
+    version: int
+    client: str = ""
+
+
+class Lookup(_Msg, tag="lookup"):
+    rid: int
+    version: int
+    instance_id: str
+    lookup_id: str = ""
+    tokens: bytes = b""
+    hashes: list[bytes] = []
+    pin: bool = True
+    tenant: str = ""
+
+
+class Release(_Msg, tag="release"):
+    rid: int
+    version: int
+    instance_id: str
+    lookup_id: str
+
+
+class BestInstances(_Msg, tag="best"):
+    rid: int
+    version: int
+    tokens: bytes = b""
+    hashes: list[bytes] = []
+    limit: int = 0  # 0 = every instance
+
+
+Request = Hello | Lookup | Release | BestInstances
+
+# -- replies -----------------------------------------------------------------------------
+
+
+class HelloReply(_Msg, tag="hello_r"):
+    rid: int
+    version: int
+    server: str
+    chunk_size: int
+
+
+class LookupReply(_Msg, tag="lookup_r"):
+    rid: int
+    hit_tokens: int
+    per_rank: list[int]  # each rank's answer (index = rank); -1: no answer
+    l1_tokens: int = -1
+    source: str = "workers"  # "workers" or "controller" (a lookup by hashes)
+
+
+class ReleaseReply(_Msg, tag="release_r"):
+    rid: int
+    ranks: int  # how many ranks it was sent to
+
+
+class InstanceHit(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    instance_id: str
+    hit_tokens: int
+    l1_tokens: int
+    world_size: int
+
+
+class BestInstancesReply(_Msg, tag="best_r"):
+    rid: int
+    instances: list[InstanceHit]  # longest cached prefix first
+
+
+class ErrorReply(_Msg, tag="error"):
+    rid: int
+    code: int
+    message: str
+    retryable: bool = False
+
+
+Reply = HelloReply | LookupReply | ReleaseReply | BestInstancesReply | ErrorReply
+
+REQUEST_TAGS = frozenset(t.__struct_config__.tag for t in Request.__args__)
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+_raw_decoder = msgspec.msgpack.Decoder()
+
+
+class MalformedMessage(ValueError):
+    """A frame that is not a valid request; `reply` is the ErrorReply to send back."""
+
+    def __init__(self, reply: ErrorReply) -> None:
+        super().__init__(reply.message)
+        self.reply = reply
+
+
+def encode(msg: _Msg) -> bytes:
+    return _encoder.encode(msg)
+
+
+def error_reply(rid: int, code: ErrorCode, message: str) -> ErrorReply:
+    return ErrorReply(rid, int(code), message[:300], code in RETRYABLE)
+
+
+def decode_request(raw: bytes | memoryview) -> Request:
+    """The request in one frame, validated; MalformedMessage otherwise."""
+    try:
+        msg = _request_decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+        raise MalformedMessage(_error_for(exc, raw)) from None
+    if not 0 <= msg.rid < 2**63:
+        raise MalformedMessage(error_reply(0, ErrorCode.BAD_MESSAGE, "rid must be in [0, 2**63)"))
+    if msg.version != PROTOCOL_VERSION:
+        raise MalformedMessage(
+            error_reply(
+                msg.rid,
+                ErrorCode.VERSION_MISMATCH,
+                f"protocol version {msg.version} not supported; the lookup-server speaks "
+                f"{PROTOCOL_VERSION}",
+            )
+        )
+    problem = _check(msg)
+    if problem is not None:
+        raise MalformedMessage(error_reply(msg.rid, *problem))
+    return msg
+
+
+def decode_reply(raw: bytes | memoryview) -> Reply:
+    try:
+        return _reply_decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+        raise MalformedMessage(error_reply(0, ErrorCode.BAD_MESSAGE, str(exc))) from None
+
+
+def _check(msg: Request) -> tuple[ErrorCode, str] | None:
+    if isinstance(msg, Lookup | Release) and not 0 < len(msg.instance_id) <= MAX_ID_CHARS:
+        return ErrorCode.BAD_MESSAGE, f"instance_id must have 1 to {MAX_ID_CHARS} characters"
+    if isinstance(msg, Release) and not 0 < len(msg.lookup_id) <= MAX_ID_CHARS:
+        return ErrorCode.BAD_MESSAGE, f"lookup_id must have 1 to {MAX_ID_CHARS} characters"
+    if isinstance(msg, Lookup):
+        if len(msg.lookup_id) > MAX_ID_CHARS or len(msg.tenant) > MAX_ID_CHARS:
+            return ErrorCode.BAD_MESSAGE, f"ids must have at most {MAX_ID_CHARS} characters"
+        if msg.pin and msg.tokens and not msg.lookup_id:
+            return ErrorCode.BAD_MESSAGE, "pin needs a lookup_id"
+    if isinstance(msg, Lookup | BestInstances):
+        if msg.tokens and msg.hashes:
+            return ErrorCode.BAD_MESSAGE, "give tokens or hashes, not both"
+        if len(msg.tokens) % TOKEN_BYTES:
+            return ErrorCode.BAD_TOKENS, f"tokens must be uint32s; got {len(msg.tokens)} bytes"
+        if len(msg.tokens) > MAX_TOKENS * TOKEN_BYTES or len(msg.hashes) > MAX_HASHES:
+            return ErrorCode.BAD_TOKENS, "prompt too long"
+        if any(len(h) != HASH_BYTES for h in msg.hashes):
+            return ErrorCode.BAD_TOKENS, f"chunk hashes must be {HASH_BYTES} bytes each"
+    if isinstance(msg, BestInstances) and msg.limit < 0:
+        return ErrorCode.BAD_MESSAGE, "limit must be >= 0"
+    return None
+
+
+def _error_for(exc: Exception, raw: bytes | memoryview) -> ErrorReply:
+    """BAD_MESSAGE, or UNKNOWN_MESSAGE for a well-formed message of an unknown tag."""
+    code, rid = ErrorCode.BAD_MESSAGE, 0
+    try:
+        arr = _raw_decoder.decode(raw)
+    except (msgspec.DecodeError, ValueError, TypeError):
+        arr = None
+    if isinstance(arr, list) and arr:
+        if len(arr) > 1 and isinstance(arr[1], int) and not isinstance(arr[1], bool):
+            rid = arr[1] if 0 <= arr[1] < 2**63 else 0
+        if isinstance(arr[0], str) and arr[0] not in REQUEST_TAGS:
+            code = ErrorCode.UNKNOWN_MESSAGE
+    what = "unknown message type" if code is ErrorCode.UNKNOWN_MESSAGE else "bad message"
+    return error_reply(rid, code, f"{what}: {exc}")

@@ -1,0 +1,1 @@
+"""The lookup-server: cached-prefix answers for schedulers (per instance) and routers."""

@@ -1,0 +1,302 @@
+"""The lookup-server: "how much of this prompt is cached, and where", for schedulers
+and routers (protocol: common/protocol/lookup_service.py).
+
+One asyncio process with one ZMQ ROUTER. One task reads the socket and decodes each
+frame with one reused decoder; every valid request runs as its own task (it waits on
+workers or the controller), bounded by MAX_INFLIGHT, and always gets a reply.
+
+- Scheduler-facing `Lookup`: the instance's workers and their lookup endpoints come
+  from the controller's worker list (re-read at most every `registry_refresh_s`, or
+  at once for an instance not known yet); each rank is asked at once with a deadline
+  (workers.py), the answer is the minimum over ranks, and the ranks pin what they
+  counted. An answer of 0 releases the pins of the ranks that did count.
+- Router-facing `BestInstances`: the prompt's chunk hashes (computed here with the
+  configured chunk size and hash) go to the controller, which ranks instances from
+  its registry (`PrefixCounts`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from kvmesh.common.config import LookupConfig
+from kvmesh.common.keys import KeyNamespace
+from kvmesh.common.observability import Metrics, get_logger
+from kvmesh.common.protocol import controller as cproto
+from kvmesh.common.protocol import lookup as wire
+from kvmesh.common.protocol import lookup_service as proto
+from kvmesh.common.protocol.lookup_service import ErrorCode
+from kvmesh.common.tokendb import ChunkedTokenDatabase
+from kvmesh.common.transport.controller_client import (
+    ControllerConnection,
+    ControllerError,
+    ControllerUnavailable,
+)
+from kvmesh.services.lookup.workers import WorkerPool
+
+log = get_logger(__name__)
+
+MAX_INFLIGHT = 1024
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+class Unavailable(Exception):
+    """The controller did not answer (or refused): the request gets UNAVAILABLE."""
+
+
+class LookupService:
+    """Build with a config, `await start()`, then `await wait_closed()` or `stop()`."""
+
+    def __init__(self, config: LookupConfig, *, name: str = "kvmesh-lookup") -> None:
+        self.config = config
+        self.name = name
+        self.port = 0
+        self.metrics = Metrics({"service": "lookup"})
+        requests = self.metrics.counter("lookup_service_requests_total", "Requests", ["op"])
+        self._requests = requests
+        self._errors = self.metrics.counter(
+            "lookup_service_errors_total", "Error replies, by code", ["code"]
+        )
+        self._ctx = zmq.asyncio.Context()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._controller = ControllerConnection(
+            config.controller_url, timeout_s=config.controller_timeout_s, client=name
+        )
+        self._hello_done = False
+        self._pool = WorkerPool()
+        self._tasks: list[asyncio.Task] = []
+        self._inflight: set[asyncio.Task] = set()
+        self._closed = asyncio.Event()
+        self._stopping = False
+        self._workers: dict[str, list[cproto.WorkerInfo]] = {}
+        self._workers_at = 0.0
+        ns = KeyNamespace(model="-", kv_layout="-", dtype="-", world_size=1, rank=0)
+        self._tokendb = ChunkedTokenDatabase(
+            ns, chunk_size=config.chunk_size, hash_algorithm=config.hash_algorithm
+        )
+        self._handlers: dict[type, Callable[[Any], Awaitable[proto.Reply]]] = {
+            proto.Hello: self._hello,
+            proto.Lookup: self._lookup,
+            proto.Release: self._release,
+            proto.BestInstances: self._best,
+        }
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.linger = 0
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        host = self.config.host if self.config.host not in ("", "0.0.0.0") else "*"
+        if self.config.port:
+            sock.bind(f"tcp://{host}:{self.config.port}")
+            self.port = self.config.port
+        else:
+            self.port = sock.bind_to_random_port(f"tcp://{host}")
+        self._sock = sock
+        await self._controller.connect(hello=False)
+        self._tasks = [asyncio.create_task(self._serve(), name="lookup-serve")]
+        log.info("lookup-server ready", port=self.port, controller=self.config.controller_url)
+
+    async def stop(self) -> None:
+        """Cancel tasks, then close the sockets, then the context."""
+        if self._stopping:
+            return
+        self._stopping = True
+        tasks = [*self._tasks, *self._inflight]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._controller.close()
+        await self._pool.close()
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+        self._ctx.term()
+        log.info("lookup-server stopped")
+        self._closed.set()
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+    # -- the ROUTER loop ----------------------------------------------------------------
+    async def _serve(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            if len(frames) < 2:
+                continue  # nothing to answer to
+            peer = frames[0].bytes
+            if len(frames) != 2:
+                err = proto.error_reply(0, ErrorCode.BAD_MESSAGE, "one frame expected")
+                await self._send(peer, err)
+                continue
+            try:
+                msg = proto.decode_request(frames[1].buffer)
+            except proto.MalformedMessage as exc:
+                self._requests.labels(op="invalid").inc()
+                await self._send(peer, exc.reply)
+                continue
+            self._requests.labels(op=msg.__struct_config__.tag).inc()
+            if len(self._inflight) >= MAX_INFLIGHT:
+                await self._send(peer, proto.error_reply(msg.rid, ErrorCode.SHUTTING_DOWN, "busy"))
+                continue
+            task = asyncio.create_task(self._handle(peer, msg))
+            self._inflight.add(task)
+            task.add_done_callback(self._inflight.discard)
+
+    async def _handle(self, peer: bytes, msg: Any) -> None:
+        try:
+            reply = await self._handlers[type(msg)](msg)
+        except Unavailable as exc:
+            reply = proto.error_reply(msg.rid, ErrorCode.UNAVAILABLE, str(exc))
+        except Exception as exc:  # a bug: answer, log, keep serving
+            log.exception("lookup request failed", op=msg.__struct_config__.tag)
+            reply = proto.error_reply(msg.rid, ErrorCode.INTERNAL, repr(exc))
+        await self._send(peer, reply)
+
+    async def _send(self, peer: bytes, reply: proto.Reply) -> None:
+        if isinstance(reply, proto.ErrorReply):
+            self._errors.labels(code=str(reply.code)).inc()
+        sock = self._sock
+        if sock is None:
+            return
+        try:
+            await sock.send_multipart([peer, proto.encode(reply)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the client is gone or far behind
+            log.debug("reply not sent", error=str(exc))
+
+    # -- the controller -----------------------------------------------------------------
+    async def _ask_controller(self, build: Callable[[int], Any], expect: type) -> Any:
+        conn = self._controller
+        for _ in range(2):
+            try:
+                if not self._hello_done:
+                    await conn.hello()
+                    self._hello_done = True
+                return await conn.request(build(conn.next_rid()), expect)
+            except ControllerError as exc:
+                if exc.code != cproto.ErrorCode.NO_HELLO:
+                    raise Unavailable(f"controller refused: {exc}") from None
+                self._hello_done = False  # it restarted: say hello again, once
+            except ControllerUnavailable as exc:
+                self._hello_done = False
+                raise Unavailable(f"controller did not answer: {exc}") from None
+        raise Unavailable("controller keeps asking for a hello")
+
+    async def _instance_workers(self, instance_id: str) -> list[cproto.WorkerInfo]:
+        now = time.monotonic()
+        stale = now - self._workers_at > self.config.registry_refresh_s
+        # An instance not seen yet may have just registered: re-read at once (but not
+        # more than every 50 ms, so unknown ids cannot hammer the controller).
+        if stale or (instance_id not in self._workers and now - self._workers_at > 0.05):
+            reply = await self._ask_controller(cproto.ListWorkers, cproto.ListWorkersReply)
+            grouped: dict[str, list[cproto.WorkerInfo]] = {}
+            for w in reply.workers:
+                grouped.setdefault(w.instance_id, []).append(w)
+            self._workers, self._workers_at = grouped, time.monotonic()
+        return self._workers.get(instance_id, [])
+
+    async def _prefix_counts(self, hashes: list[bytes], instance_id: str = "") -> list:
+        if not hashes:
+            return []
+        reply = await self._ask_controller(
+            lambda rid: cproto.PrefixCounts(rid, hashes, instance_id), cproto.PrefixCountsReply
+        )
+        return reply.instances
+
+    def _hashes(self, tokens: bytes) -> list[bytes]:
+        return self._tokendb.chunk_hashes(wire.decode_tokens(tokens))
+
+    # -- handlers -----------------------------------------------------------------------
+    async def _hello(self, msg: proto.Hello) -> proto.Reply:
+        return proto.HelloReply(msg.rid, proto.PROTOCOL_VERSION, self.name, self.config.chunk_size)
+
+    async def _lookup(self, msg: proto.Lookup) -> proto.Reply:
+        workers = await self._instance_workers(msg.instance_id)
+        if not workers:
+            return proto.error_reply(
+                msg.rid, ErrorCode.UNKNOWN_INSTANCE, f"no worker of {msg.instance_id!r} registered"
+            )
+        size = self.config.chunk_size
+        if msg.hashes or not msg.tokens:
+            counts = await self._prefix_counts(msg.hashes, msg.instance_id)
+            c = counts[0] if counts else None
+            hit = c.chunks * size if c else 0
+            return proto.LookupReply(msg.rid, hit, [], c.l1_chunks * size if c else 0, "controller")
+        world = max(w.world_size for w in workers)
+        endpoints = [""] * world
+        for w in workers:
+            if 0 <= w.rank < world:
+                endpoints[w.rank] = w.lookup_endpoint
+
+        def make(rid: int, deadline: float) -> wire.LookupPrefix:
+            return wire.LookupPrefix(
+                rid, wire.PROTOCOL_VERSION, msg.lookup_id or f"ls-{rid}", msg.tokens,
+                msg.pin, msg.tenant, deadline,
+            )  # fmt: skip
+
+        asked = self._pool.ask(endpoints, make, self.config.worker_timeout_s)
+        l1 = self._l1_tokens(msg) if not msg.tenant else _none()
+        replies, l1_tokens = await asyncio.gather(asked, l1)
+        per_rank = [r.hit_tokens if isinstance(r, wire.LookupPrefixReply) else -1 for r in replies]
+        hit = min(per_rank) if per_rank and min(per_rank) >= 0 else 0
+        if msg.pin and hit == 0 and any(h > 0 for h in per_rank):
+            await self._release_on(endpoints, msg.lookup_id)
+        if l1_tokens >= 0:
+            l1_tokens = min(l1_tokens, hit)
+        return proto.LookupReply(msg.rid, hit, per_rank, l1_tokens, "workers")
+
+    async def _l1_tokens(self, msg: proto.Lookup) -> int:
+        """The registry's view of the L1 part of the prefix; -1 when not known."""
+        try:
+            counts = await self._prefix_counts(self._hashes(msg.tokens), msg.instance_id)
+        except Unavailable:
+            return -1
+        return counts[0].l1_chunks * self.config.chunk_size if counts else 0
+
+    async def _release_on(self, endpoints: list[str], lookup_id: str) -> int:
+        def make(rid: int) -> wire.ReleaseLookup:
+            return wire.ReleaseLookup(rid, wire.PROTOCOL_VERSION, lookup_id)
+
+        return await self._pool.send_all(endpoints, make)
+
+    async def _release(self, msg: proto.Release) -> proto.Reply:
+        workers = await self._instance_workers(msg.instance_id)
+        if not workers:
+            return proto.error_reply(
+                msg.rid, ErrorCode.UNKNOWN_INSTANCE, f"no worker of {msg.instance_id!r} registered"
+            )
+        sent = await self._release_on([w.lookup_endpoint for w in workers], msg.lookup_id)
+        return proto.ReleaseReply(msg.rid, sent)
+
+    async def _best(self, msg: proto.BestInstances) -> proto.Reply:
+        hashes = msg.hashes or self._hashes(msg.tokens)
+        size = self.config.chunk_size
+        counts = await self._prefix_counts(hashes)
+        found = [
+            proto.InstanceHit(c.instance_id, c.chunks * size, c.l1_chunks * size, c.world_size)
+            for c in counts
+        ]
+        return proto.BestInstancesReply(msg.rid, found[: msg.limit] if msg.limit else found)
+
+
+async def _none() -> int:
+    return -1
+
+
+@contextlib.asynccontextmanager
+async def running(config: LookupConfig):
+    """A started LookupService, stopped on exit (tests, embedding)."""
+    service = LookupService(config)
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.stop()

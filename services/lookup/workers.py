@@ -1,0 +1,139 @@
+"""The lookup-server's side of the per-engine lookup protocol (common/protocol/lookup.py).
+
+One DEALER per worker endpoint, kept open and reused; one reader task per socket
+resolves the waiting request by its rid (a late reply to a request that gave up is
+dropped). Every ask has a deadline, and the workers are told it too, so a worker that
+gets the request late pins nothing. Sockets use ZMQ_IMMEDIATE: a request is never
+queued for an engine that is not connected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+
+from kvmesh.common.observability import get_logger
+from kvmesh.common.protocol import lookup as wire
+
+log = get_logger(__name__)
+
+MAX_ENDPOINTS = 4096
+
+
+class _Conn:
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        sock.connect(endpoint)
+        self.sock = sock
+        self.pending: dict[int, asyncio.Future[wire.Reply]] = {}
+        self.reader = asyncio.create_task(self._read(), name=f"lookup-worker {endpoint}")
+
+    async def _read(self) -> None:
+        while True:
+            raw = await self.sock.recv()
+            try:
+                reply = wire.decode_reply(raw)
+            except wire.MalformedMessage:
+                continue
+            fut = self.pending.get(reply.rid)
+            if fut is not None and not fut.done():
+                fut.set_result(reply)
+
+    async def close(self) -> None:
+        self.reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.reader
+        self.sock.close(0)
+
+
+class WorkerPool:
+    """Asks workers at their lookup endpoints; owns one DEALER per endpoint."""
+
+    def __init__(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._conns: dict[str, _Conn] = {}
+        self._rids = itertools.count(1)
+        self._closing: set[asyncio.Task] = set()
+
+    def _conn(self, endpoint: str) -> _Conn:
+        conn = self._conns.get(endpoint)
+        if conn is None:
+            if len(self._conns) >= MAX_ENDPOINTS:  # workers come and go: forget the oldest
+                oldest = self._conns.pop(next(iter(self._conns)))
+                task = asyncio.get_running_loop().create_task(oldest.close())
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+            conn = self._conns[endpoint] = _Conn(self._ctx, endpoint)
+        return conn
+
+    async def ask(
+        self,
+        endpoints: list[str],
+        make: Callable[[int, float], wire.LookupPrefix],
+        timeout_s: float,
+    ) -> list[wire.Reply | None]:
+        """Send make(rid, deadline) to every endpoint; each reply, or None without one
+        before the deadline (or for an empty endpoint)."""
+        deadline = time.time() + timeout_s
+        return await asyncio.gather(
+            *(self._ask_one(e, make, deadline, timeout_s) for e in endpoints)
+        )
+
+    async def _ask_one(
+        self,
+        endpoint: str,
+        make: Callable[[int, float], wire.LookupPrefix],
+        deadline: float,
+        timeout_s: float,
+    ) -> wire.Reply | None:
+        if not endpoint:
+            return None
+        conn = self._conn(endpoint)
+        rid = next(self._rids)
+        fut: asyncio.Future[wire.Reply] = asyncio.get_running_loop().create_future()
+        conn.pending[rid] = fut
+        try:
+            async with asyncio.timeout(timeout_s):
+                # Not connected yet (IMMEDIATE): the send waits for the connection,
+                # within the same deadline.
+                await conn.sock.send(wire.encode(make(rid, deadline)))
+                return await fut
+        except TimeoutError:
+            return None
+        except zmq.ZMQError as exc:
+            log.debug("worker lookup not sent", endpoint=endpoint, error=str(exc))
+            return None
+        finally:
+            conn.pending.pop(rid, None)
+
+    async def send_all(
+        self, endpoints: list[str], make: Callable[[int], wire.ReleaseLookup]
+    ) -> int:
+        """Fire and forget (releases): how many sockets took it at once."""
+        sent = 0
+        for endpoint in endpoints:
+            if not endpoint:
+                continue
+            payload = wire.encode(make(next(self._rids)))
+            try:
+                await self._conn(endpoint).sock.send(payload, zmq.NOBLOCK)
+            except zmq.ZMQError:  # not connected: the worker's pin timeout releases
+                continue
+            sent += 1
+        return sent
+
+    async def close(self) -> None:
+        conns, self._conns = list(self._conns.values()), {}
+        for conn in conns:
+            await conn.close()
+        self._ctx.term()
