@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-import json
-import os
-import signal
-import sys
 from typing import Any
 
 import click
 
-from kvmesh.common.config import CacheServerConfig, ConfigError, load_config
-from kvmesh.common.observability import configure_logging
-
-EXIT_INVALID = 2
+from kvmesh.services.cli.serving import load_service_config, run_service
 
 
 @click.command("cacheserver")
@@ -46,45 +38,17 @@ def cacheserver(config_file: str | None, ready_file: str | None, **options: Any)
     Options override the config file, which overrides KVMESH_CACHESERVER__* variables'
     defaults as usual (see docs/configuration.md).
     """
-    overrides = {f"cacheserver.{k}": v for k, v in options.items() if v is not None}
-    try:
-        cfg = load_config(config_file, overrides=overrides)
-    except ConfigError as exc:
-        for line in str(exc).splitlines():
-            click.echo(f"error: {line}", err=True)
-        sys.exit(EXIT_INVALID)
-    configure_logging(cfg.logging.level, json=cfg.logging.json, service="cacheserver")
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    asyncio.run(_serve(cfg.cacheserver, ready_file))
-
-
-def _write_ready(path: str, info: dict[str, Any]) -> None:
-    """Write info atomically, so a reader never sees half a file."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(info, f)
-    os.replace(tmp, path)
-
-
-async def _serve(cfg: CacheServerConfig, ready_file: str | None) -> None:
+    cfg = load_service_config("cacheserver", config_file, options)
     from kvmesh.services.cacheserver.server import CacheServer
 
-    server = CacheServer(cfg)
-    await server.start()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.stop()))
-    if ready_file:
-        info = {
-            "pid": os.getpid(),
-            "port": server.port,
-            "lm_port": server.lm.port if server.lm else None,
-            "metrics_port": server.http.port if server.http else None,
-        }
-        _write_ready(ready_file, info)
-    await server.wait_closed()
+    run_service(
+        "cacheserver",
+        cfg,
+        lambda: CacheServer(cfg.cacheserver),
+        ready_file,
+        lambda s: {
+            "port": s.port,
+            "lm_port": s.lm.port if s.lm else None,
+            "metrics_port": s.http.port if s.http else None,
+        },
+    )

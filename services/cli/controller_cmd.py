@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-import os
-import signal
-import sys
 from typing import Any
 
 import click
 
-from kvmesh.common.config import ConfigError, ControllerConfig, load_config
-from kvmesh.common.observability import configure_logging
-from kvmesh.services.cli.cacheserver_cmd import _write_ready
-
-EXIT_INVALID = 2
+from kvmesh.services.cli.serving import load_service_config, run_service
 
 
 @click.command("controller")
@@ -44,36 +36,13 @@ def controller(config_file: str | None, ready_file: str | None, **options: Any) 
     Options override the config file, which overrides KVMESH_CONTROLLER__* variables'
     defaults as usual (see docs/configuration.md).
     """
-    overrides = {f"controller.{k}": v for k, v in options.items() if v is not None}
-    try:
-        cfg = load_config(config_file, overrides=overrides)
-    except ConfigError as exc:
-        for line in str(exc).splitlines():
-            click.echo(f"error: {line}", err=True)
-        sys.exit(EXIT_INVALID)
-    configure_logging(cfg.logging.level, json=cfg.logging.json, service="controller")
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    asyncio.run(_serve(cfg.controller, ready_file))
-
-
-async def _serve(cfg: ControllerConfig, ready_file: str | None) -> None:
+    cfg = load_service_config("controller", config_file, options)
     from kvmesh.services.controller.server import ControllerServer
 
-    server = ControllerServer(cfg)
-    await server.start()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.stop()))
-    if ready_file:
-        info = {
-            "pid": os.getpid(),
-            "port": server.port,
-            "http_port": server.http.port if server.http else None,
-        }
-        _write_ready(ready_file, info)
-    await server.wait_closed()
+    run_service(
+        "controller",
+        cfg,
+        lambda: ControllerServer(cfg.controller),
+        ready_file,
+        lambda s: {"port": s.port, "http_port": s.http.port if s.http else None},
+    )

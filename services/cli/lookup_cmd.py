@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-import os
-import signal
-import sys
 from typing import Any
 
 import click
 
-from kvmesh.common.config import ConfigError, LookupConfig, load_config
-from kvmesh.common.observability import configure_logging
-from kvmesh.services.cli.cacheserver_cmd import _write_ready
-
-EXIT_INVALID = 2
+from kvmesh.services.cli.serving import load_service_config, run_service
 
 
 @click.command("lookup")
@@ -45,31 +37,9 @@ def lookup(config_file: str | None, ready_file: str | None, **options: Any) -> N
     Options override the config file, which overrides KVMESH_LOOKUP__* variables'
     defaults as usual (see docs/configuration.md).
     """
-    overrides = {f"lookup.{k}": v for k, v in options.items() if v is not None}
-    try:
-        cfg = load_config(config_file, overrides=overrides)
-    except ConfigError as exc:
-        for line in str(exc).splitlines():
-            click.echo(f"error: {line}", err=True)
-        sys.exit(EXIT_INVALID)
-    configure_logging(cfg.logging.level, json=cfg.logging.json, service="lookup")
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    asyncio.run(_serve(cfg.lookup, ready_file))
-
-
-async def _serve(cfg: LookupConfig, ready_file: str | None) -> None:
+    cfg = load_service_config("lookup", config_file, options)
     from kvmesh.services.lookup.server import LookupService
 
-    service = LookupService(cfg)
-    await service.start()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(service.stop()))
-    if ready_file:
-        _write_ready(ready_file, {"pid": os.getpid(), "port": service.port})
-    await service.wait_closed()
+    run_service(
+        "lookup", cfg, lambda: LookupService(cfg.lookup), ready_file, lambda s: {"port": s.port}
+    )

@@ -1,0 +1,82 @@
+"""What every `kvmesh serve X` command does around its service: load the config (an
+invalid one exits 2 with one line per problem), set up logging and uvloop, run the
+service until SIGTERM or Ctrl-C, and write a ready file once it serves."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import click
+
+from kvmesh.common.config import ConfigError, KvmeshConfig, load_config
+from kvmesh.common.observability import configure_logging
+
+EXIT_INVALID = 2
+
+
+class Service(Protocol):
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+    async def wait_closed(self) -> None: ...
+
+
+def load_service_config(
+    section: str, config_file: str | None, options: dict[str, Any]
+) -> KvmeshConfig:
+    """The config with the command's options (those given) over `section`; exits 2 on
+    any problem, naming the key and where it came from."""
+    overrides = {f"{section}.{k}": v for k, v in options.items() if v is not None}
+    try:
+        return load_config(config_file, overrides=overrides)
+    except ConfigError as exc:
+        for line in str(exc).splitlines():
+            click.echo(f"error: {line}", err=True)
+        sys.exit(EXIT_INVALID)
+
+
+def run_service(
+    name: str,
+    cfg: KvmeshConfig,
+    make: Callable[[], Service],
+    ready_file: str | None,
+    ready_info: Callable[[Any], dict[str, Any]],
+) -> None:
+    """Serve make()'s service in the foreground; ready_info(service) (plus the pid)
+    goes to ready_file once it serves."""
+    configure_logging(cfg.logging.level, json=cfg.logging.json, service=name)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(_serve(make, ready_file, ready_info))
+
+
+async def _serve(
+    make: Callable[[], Service],
+    ready_file: str | None,
+    ready_info: Callable[[Any], dict[str, Any]],
+) -> None:
+    service = make()
+    await service.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(service.stop()))
+    if ready_file:
+        write_ready(ready_file, {"pid": os.getpid(), **ready_info(service)})
+    await service.wait_closed()
+
+
+def write_ready(path: str, info: dict[str, Any]) -> None:
+    """Write info atomically, so a reader never sees half a file."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(info, f)
+    os.replace(tmp, path)
