@@ -184,6 +184,9 @@ class NixlChannel:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._pool, self._deregister)
         self._pool.shutdown(wait=False)
+        # Only the agent's destruction stops its UCX progress thread, which otherwise
+        # keeps a core busy for the rest of the process.
+        self.agent = None
 
     def _deregister(self) -> None:
         for reg in self._regs:
