@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import time
@@ -18,7 +17,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from kvtest.controller import REPO, ControllerProcess, build_engine, store, tokens
+from kvtest.controller import ControllerProcess, build_engine, store, tokens
+from kvtest.service_process import KvtestProcess
 
 from kvmesh.common.protocol import controller as proto
 from kvmesh.common.transport.controller_client import ControllerConnection
@@ -59,38 +59,20 @@ def keys_of(eng, toks):
     return [k for _, _, k in eng.chunks(toks)]
 
 
-class WorkerProcess:
+class WorkerProcess(KvtestProcess):
     """An engine in its own process (kvtest.controller_worker)."""
 
-    def __init__(self, url: str, instance: str, endpoint: str, seed: int, n: int = 32) -> None:
-        env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "KVMESH_LOGGING__LEVEL": "warning"}
-        cmd = [
-            sys.executable,
-            "-m",
-            "kvtest.controller_worker",
-            url,
-            instance,
-            endpoint,
-            str(seed),
-            str(n),
-        ]
-        self.proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            env=env,
-            text=True,
+    def __init__(
+        self, controller: ControllerProcess, instance: str, endpoint: str, seed: int, n: int = 32
+    ) -> None:
+        super().__init__(
+            f"worker {instance}",
+            "controller_worker",
+            [controller.url, instance, endpoint, str(seed), str(n)],
+            log=controller.workdir / f"worker-{instance}.log",
+            ready_line='{"keys"',
         )
-        for line in self.proc.stdout:  # log lines (to stdout) come first
-            if line.startswith('{"keys"'):
-                self.keys = json.loads(line)["keys"]
-                return
-        raise AssertionError("worker process died before storing")
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(10)
+        self.keys = self.start(60.0).ready_info["keys"]
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +124,7 @@ def test_events_reach_the_registry_and_lookups_route_to_the_holder(controller) -
 
 def test_killed_worker_is_dropped_within_three_heartbeats(controller) -> None:
     b = build_engine("B2", controller.url, p2p_endpoint="tcp://127.0.0.1:1003")
-    w = WorkerProcess(controller.url, "W", "tcp://127.0.0.1:1004", seed=7)
+    w = WorkerProcess(controller, "W", "tcp://127.0.0.1:1004", seed=7)
     try:
         toks = tokens(32, 7)
         assert [k.to_str() for k in keys_of(b, toks)] == w.keys
@@ -275,7 +257,7 @@ def test_admin_fan_out_http_api_and_cli(controller) -> None:
 def test_restarted_controller_comes_back_from_snapshot_and_resync(tmp_path: Path) -> None:
     srv = ControllerProcess(tmp_path, snapshot=True).start()
     a = build_engine("RA", srv.url, p2p_endpoint="tcp://127.0.0.1:1006")
-    w = WorkerProcess(srv.url, "RW", "tcp://127.0.0.1:1007", seed=21)
+    w = WorkerProcess(srv, "RW", "tcp://127.0.0.1:1007", seed=21)
     try:
         store(a, tokens(16, 20))
         wait_for(lambda: chunks_of(srv) == {"RA/0": {"l1": 2}, "RW/0": {"l1": 4}}, what="admits")

@@ -13,18 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Self
 
 import msgspec
 import pytest
 import zmq
-from kvtest.controller import REPO, ControllerProcess, build_engine, store, tokens
+from kvtest.controller import ControllerProcess, build_engine, store, tokens
 from kvtest.remote import free_port
+from kvtest.service_process import KvmeshService, KvtestProcess
 
 from kvmesh.common.protocol import controller as cproto
 from kvmesh.common.protocol import lookup_service as proto
@@ -37,82 +38,42 @@ WORKER_TIMEOUT_S = 0.5
 PROMPT = tokens(32, 1)  # 4 chunks of 8
 
 
-class LookupProcess:
+class LookupProcess(KvmeshService):
     """`kvmesh serve lookup` in a subprocess."""
 
     def __init__(self, workdir: Path, controller_url: str) -> None:
-        self.workdir = workdir
-        self.port = free_port()
-        self.controller_url = controller_url
-        self.proc: subprocess.Popen | None = None
-        self.log = workdir / f"lookup-{self.port}.log"
+        options = {
+            "controller-url": controller_url,
+            "chunk-size": CHUNK,
+            "worker-timeout-s": WORKER_TIMEOUT_S,
+            "controller-timeout-s": 1.0,
+        }
+        super().__init__("lookup", workdir, free_port(), options)
 
     @property
     def url(self) -> str:
         return f"tcp://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 60.0) -> LookupProcess:
-        ready = self.workdir / f"lookup-ready-{self.port}.json"
-        cmd = [
-            sys.executable, "-m", "kvmesh.services.lookup", "--port", str(self.port),
-            "--controller-url", self.controller_url, "--chunk-size", str(CHUNK),
-            "--worker-timeout-s", str(WORKER_TIMEOUT_S), "--controller-timeout-s", "1.0",
-            "--ready-file", str(ready),
-        ]  # fmt: skip
-        env = {**os.environ, "KVMESH_LOGGING__JSON": "false", "KVMESH_LOGGING__LEVEL": "warning"}
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, env=env, cwd=self.workdir)
-        deadline = time.monotonic() + timeout
-        while not ready.exists():
-            assert self.proc.poll() is None, self.log.read_text()[-2000:]
-            assert time.monotonic() < deadline, self.log.read_text()[-2000:]
-            time.sleep(0.05)
-        info = json.loads(ready.read_text())
-        assert info == {"pid": self.proc.pid, "port": self.port}
+    def start(self, timeout: float = 60.0) -> Self:
+        super().start(timeout)
+        assert self.ready_info == {"pid": self.proc.pid, "port": self.port}
         return self
 
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
-    def stop(self) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
-
-
-class WorkerProcess:
+class WorkerProcess(KvtestProcess):
     """kvtest.lookup_worker: an engine with a lookup endpoint in its own process."""
 
-    def __init__(self, url: str, instance: str, n: int) -> None:
+    def __init__(self, controller: ControllerProcess, instance: str, n: int) -> None:
         self.endpoint = f"tcp://127.0.0.1:{free_port()}"
-        env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "KVMESH_LOGGING__LEVEL": "warning"}
-        cmd = [sys.executable, "-m", "kvtest.lookup_worker", url, instance, self.endpoint]
-        cmd += ["1", "32", str(n)]
-        self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            env=env, text=True,
-        )  # fmt: skip
-        for line in self.proc.stdout:
-            if line.startswith('{"endpoint"'):
-                self.keys = json.loads(line)["keys"]
-                return
-        raise AssertionError("worker process died before storing")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        super().__init__(
+            f"worker {instance}",
+            "lookup_worker",
+            [controller.url, instance, self.endpoint, "1", "32", str(n)],
+            log=controller.workdir / f"worker-{instance}.log",
+            ready_line='{"endpoint"',
+            stop_grace_s=20.0,
+        )
+        self.keys = self.start(60.0).ready_info["keys"]
 
 
 def lookup_service(url: str, fn, timeout_s: float = 10.0):
@@ -158,7 +119,7 @@ def mesh(tmp_path_factory):
         eng_a = build_engine("inst-a", controller.url)
         attach_lookup_server(eng_a, f"tcp://127.0.0.1:{free_port()}")
         store(eng_a, PROMPT)
-        worker_b = WorkerProcess(controller.url, "inst-b", 16)
+        worker_b = WorkerProcess(controller, "inst-b", 16)
 
         def registered() -> bool:
             ws = controller_workers(controller.url)

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-import select
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,67 +18,44 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
+from kvtest.service_process import KvtestProcess
 
 from kvmesh.common.protocol import p2p as proto
 
-TESTS = Path(__file__).resolve().parents[1]
 NS_IP, HOST_IP = "10.231.{}.2", "10.231.{}.1"
 
 
-class NodeProcess:
-    """`python -m kvtest.p2p` (one engine), optionally inside a network namespace."""
+class NodeProcess(KvtestProcess):
+    """`python -m kvtest.p2p` (one engine), optionally inside a network namespace.
+    Launched here, waited for by ready(): a test brings its nodes up together."""
 
     def __init__(self, tmp: Path, netns: str | None = None, **cfg) -> None:
-        cmd = [sys.executable, "-m", "kvtest.p2p", json.dumps(cfg)]
-        if netns is not None:
-            cmd = ["ip", "netns", "exec", netns, *cmd]
-        env = {**os.environ, "PYTHONPATH": str(TESTS)}
-        self.log = tmp / f"node-{cfg.get('name', 'x')}.log"
-        self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log.open("w"),
-            text=True, env=env, cwd=TESTS,
-        )  # fmt: skip
+        super().__init__(
+            f"node {cfg.get('name', 'x')}",
+            "p2p",
+            [json.dumps(cfg)],
+            log=tmp / f"node-{cfg.get('name', 'x')}.log",
+            ready_line="{",
+            prefix=["ip", "netns", "exec", netns] if netns is not None else [],
+        )
         self.info: dict | None = None
+        self.launch()
 
     def ready(self, timeout: float = 30.0) -> dict:
-        self.info = self._answer(timeout)
+        self.info = self.wait_ready(timeout)
+        assert "error" not in self.info, self.info
         return self.info
 
-    def _answer(self, timeout: float) -> dict:
-        assert self.proc.stdout is not None
-        readable, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not readable:
-            raise TimeoutError(f"no answer in {timeout}s; log:\n{self.log.read_text()[-3000:]}")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"node exited; log:\n{self.log.read_text()[-3000:]}")
-        answer = json.loads(line)
+    def __call__(self, timeout: float = 20.0, **cmd) -> dict:
+        self.send_line(json.dumps(cmd))
+        answer = json.loads(self.read_line(timeout))
         assert "error" not in answer, answer
         return answer
-
-    def __call__(self, timeout: float = 20.0, **cmd) -> dict:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._answer(timeout)
 
     @property
     def endpoint(self) -> str:
         assert self.info is not None
         return self.info["endpoint"]
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 @pytest.fixture

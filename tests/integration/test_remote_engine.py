@@ -18,9 +18,8 @@ SLOTS = BLOCKS * BLOCK
 
 @pytest.fixture
 def server(tmp_path):
-    srv = CacheServerProcess(tmp_path).start()
-    yield srv
-    srv.stop()
+    with CacheServerProcess(tmp_path) as srv:
+        yield srv
 
 
 @pytest.mark.parametrize("compression", ["none", "lz4"])

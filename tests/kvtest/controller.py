@@ -3,13 +3,8 @@ their own processes, and small engines built in the test process."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
+from typing import Self
 
 import msgspec
 import torch
@@ -17,25 +12,28 @@ import torch
 from kvmesh.common.config import EngineConfig, EngineControllerConfig, L1Config
 from kvtest.paged import make_cache
 from kvtest.remote import free_port
+from kvtest.service_process import KvmeshService
 
 REPO = Path(__file__).resolve().parents[2]
 CHUNK = 8
 SLOTS = 64  # 16 blocks of 4
 
 
-class ControllerProcess:
+class ControllerProcess(KvmeshService):
     """`kvmesh serve controller` in a subprocess on fixed ports (a restart keeps them)."""
 
-    def __init__(self, workdir: Path, *, snapshot: bool = True, **options) -> None:
-        self.workdir = workdir
-        self.port = free_port()
+    def __init__(self, workdir: Path, *, snapshot: bool = True, **options: object) -> None:
         self.http_port = free_port()
-        self.options = {"heartbeat-misses": 3, "admin-timeout-s": 2.0, **options}
+        options = {
+            "http-port": self.http_port,
+            "heartbeat-misses": 3,
+            "admin-timeout-s": 2.0,
+            **options,
+        }
         if snapshot:
-            self.options.setdefault("snapshot-path", str(workdir / "registry.snapshot"))
-            self.options.setdefault("snapshot-interval-s", 0.5)
-        self.proc: subprocess.Popen | None = None
-        self.log = workdir / f"controller-{self.port}.log"
+            options.setdefault("snapshot-path", str(workdir / "registry.snapshot"))
+            options.setdefault("snapshot-interval-s", 0.5)
+        super().__init__("controller", workdir, free_port(), options)
 
     @property
     def url(self) -> str:
@@ -45,48 +43,10 @@ class ControllerProcess:
     def http(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
-    def start(self, timeout: float = 20.0) -> ControllerProcess:
-        ready = self.workdir / f"ready-{self.port}.json"
-        ready.unlink(missing_ok=True)
-        cmd = [
-            sys.executable, "-m", "kvmesh.services.controller", "--port", str(self.port),
-            "--http-port", str(self.http_port), "--ready-file", str(ready),
-        ]  # fmt: skip
-        for k, v in self.options.items():
-            cmd += [f"--{k}", str(v)]
-        env = {**os.environ, "KVMESH_LOGGING__JSON": "false", "KVMESH_LOGGING__LEVEL": "warning"}
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, env=env, cwd=self.workdir)
-        deadline = time.monotonic() + timeout
-        while not ready.exists():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"controller exited: {self.log.read_text()[-2000:]}")
-            if time.monotonic() > deadline:
-                self.kill()
-                raise TimeoutError(f"controller not ready: {self.log.read_text()[-2000:]}")
-            time.sleep(0.02)
-        info = json.loads(ready.read_text())
+    def start(self, timeout: float = 20.0) -> Self:
+        info = super().start(timeout).ready_info
         assert info["port"] == self.port and info["http_port"] == self.http_port
         return self
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        return self.proc.returncode
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
 
 def engine_config(url: str, *, heartbeat_s: float = 0.2) -> EngineConfig:

@@ -7,18 +7,17 @@ loudly: CI installs it (scripts/setup.sh).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from kvtest.service_process import KvmeshService, ServiceProcess
 
 LMCACHE_PYTHON_ENV = "KVMESH_LMCACHE_PYTHON"
 REPO = Path(__file__).resolve().parents[2]
@@ -45,27 +44,21 @@ def cluster_port() -> int:
     raise RuntimeError("no free port pair for a cluster node")
 
 
-def wait_port(port: int, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-            return
-        time.sleep(0.02)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
-
-
-class CacheServerProcess:
+class CacheServerProcess(KvmeshService):
     """`kvmesh serve cacheserver` in a subprocess, on fixed ports so a restart keeps
     them (clients reconnect to the same address)."""
 
-    def __init__(self, workdir: Path, *, lm: bool = False, metrics: bool = False, **options):
-        self.workdir = workdir
-        self.port = free_port()
+    def __init__(
+        self, workdir: Path, *, lm: bool = False, metrics: bool = False, **options: object
+    ) -> None:
         self.lm_port = free_port() if lm else None
         self.metrics_port = free_port() if metrics else None
-        self.options = {"max-memory": "256MiB", "max-value-size": "64MiB", **options}
-        self.proc: subprocess.Popen | None = None
-        self.log = workdir / f"cacheserver-{self.port}.log"
+        flags: dict[str, object] = {"max-memory": "256MiB", "max-value-size": "64MiB"}
+        if self.lm_port:
+            flags |= {"lm": True, "lm-port": self.lm_port}
+        if self.metrics_port:
+            flags["metrics-port"] = self.metrics_port
+        super().__init__("cacheserver", workdir, free_port(), flags | options)
 
     @property
     def url(self) -> str:
@@ -75,51 +68,6 @@ class CacheServerProcess:
     def endpoint(self) -> str:
         return f"tcp://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 20.0) -> CacheServerProcess:
-        ready = self.workdir / f"ready-{self.port}.json"
-        ready.unlink(missing_ok=True)
-        cmd = [
-            sys.executable, "-m", "kvmesh.services.cacheserver",
-            "--port", str(self.port), "--ready-file", str(ready),
-        ]  # fmt: skip
-        if self.lm_port:
-            cmd += ["--lm", "--lm-port", str(self.lm_port)]
-        if self.metrics_port:
-            cmd += ["--metrics-port", str(self.metrics_port)]
-        for k, v in self.options.items():
-            cmd += [f"--{k}", str(v)]
-        env = {**os.environ, "KVMESH_LOGGING__JSON": "false", "KVMESH_LOGGING__LEVEL": "warning"}
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=out, env=env, cwd=self.workdir)
-        deadline = time.monotonic() + timeout
-        while not ready.exists():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"cache-server exited: {self.log.read_text()[-2000:]}")
-            if time.monotonic() > deadline:
-                self.kill()
-                raise TimeoutError(f"cache-server not ready: {self.log.read_text()[-2000:]}")
-            time.sleep(0.02)
-        return self
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        return self.proc.returncode
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
 
 def redis_server_binary() -> str:
     found = shutil.which("redis-server")
@@ -128,38 +76,29 @@ def redis_server_binary() -> str:
     return found
 
 
-class RedisProcess:
-    def __init__(self, workdir: Path, port: int | None = None, *, cluster: bool = False):
+class RedisProcess(ServiceProcess):
+    def __init__(self, workdir: Path, port: int | None = None, *, cluster: bool = False) -> None:
         self.port = port or (cluster_port() if cluster else free_port())
         self.dir = workdir / f"redis-{self.port}"
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.cluster = cluster
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
-
-    def start(self) -> RedisProcess:
         cmd = [
             redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
             "--save", "", "--appendonly", "no", "--dir", str(self.dir),
             "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning",
         ]  # fmt: skip
-        if self.cluster:
+        if cluster:
             cmd += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.dir
+        super().__init__(
+            "redis-server",
+            cmd,
+            log=workdir / f"redis-{self.port}.log",
+            cwd=self.dir,
+            ready_port=self.port,
         )
-        wait_port(self.port)
-        return self
 
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    stop = kill
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
 
 
 class RedisCluster:
