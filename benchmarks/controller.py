@@ -79,7 +79,7 @@ async def ingest_and_lookup(url: str, chunks: int, lookups: int) -> dict:
     )
     ks = keys(chunks)
     frames = [
-        proto.encoder.encode(
+        proto.encode(
             proto.KVEventBatch(0, reg.worker_id, i + 1, [(1, k, "l1") for k in ks[i : i + BATCH]])
         )
         for i in range(0, chunks, BATCH)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-import msgspec
+from kvmesh.common.protocol import wire
 
 PROTOCOL_VERSION = 1
 MAX_KEY_BYTES = 512
@@ -60,42 +60,38 @@ class ErrorCode(IntEnum):
 RETRYABLE = frozenset({ErrorCode.NO_HELLO, ErrorCode.TOO_MANY_CONNECTIONS, ErrorCode.SHUTTING_DOWN})
 
 
-class _Msg(msgspec.Struct, tag=True, frozen=True, array_like=True, gc=False):
-    """Base of every header: tagged (the tag is the first array element)."""
-
-
 # -- requests ----------------------------------------------------------------------------
 
 
-class Hello(_Msg, tag="hello"):
+class Hello(wire.Message, tag="hello"):
     rid: int
     version: int
     client: str = ""
 
 
-class PutValue(_Msg, tag="put"):
+class PutValue(wire.Message, tag="put"):
     rid: int
     key: str
     meta: bytes = b""
     checksum: int | None = None
 
 
-class GetValue(_Msg, tag="get"):
+class GetValue(wire.Message, tag="get"):
     rid: int
     key: str
 
 
-class CheckValue(_Msg, tag="exists"):
+class CheckValue(wire.Message, tag="exists"):
     rid: int
     key: str
 
 
-class DeleteValue(_Msg, tag="delete"):
+class DeleteValue(wire.Message, tag="delete"):
     rid: int
     key: str
 
 
-class PutValues(_Msg, tag="mput"):
+class PutValues(wire.Message, tag="mput"):
     rid: int
     keys: list[str]
     metas: list[bytes] = []
@@ -103,22 +99,22 @@ class PutValues(_Msg, tag="mput"):
     checksums: list[int | None] = []
 
 
-class GetValues(_Msg, tag="mget"):
+class GetValues(wire.Message, tag="mget"):
     rid: int
     keys: list[str]
 
 
-class CheckValues(_Msg, tag="mexists"):
+class CheckValues(wire.Message, tag="mexists"):
     rid: int
     keys: list[str]
 
 
-class DeleteValues(_Msg, tag="mdelete"):
+class DeleteValues(wire.Message, tag="mdelete"):
     rid: int
     keys: list[str]
 
 
-class ListKeys(_Msg, tag="list"):
+class ListKeys(wire.Message, tag="list"):
     """One page of keys starting with prefix; cursor "" starts, and the reply's cursor
     continues (empty when done). Every key present for the whole listing is returned
     exactly once; keys added or removed meanwhile may or may not be."""
@@ -129,11 +125,11 @@ class ListKeys(_Msg, tag="list"):
     limit: int = 1000
 
 
-class GetStats(_Msg, tag="stats"):
+class GetStats(wire.Message, tag="stats"):
     rid: int
 
 
-class CheckHealth(_Msg, tag="health"):
+class CheckHealth(wire.Message, tag="health"):
     rid: int
 
 
@@ -155,7 +151,7 @@ Request = (
 # -- replies -----------------------------------------------------------------------------
 
 
-class HelloReply(_Msg, tag="hello_r"):
+class HelloReply(wire.Message, tag="hello_r"):
     rid: int
     version: int
     server: str
@@ -163,35 +159,35 @@ class HelloReply(_Msg, tag="hello_r"):
     max_batch: int = MAX_BATCH
 
 
-class PutValueReply(_Msg, tag="put_r"):
+class PutValueReply(wire.Message, tag="put_r"):
     rid: int
     checksum: int = 0
 
 
-class GetValueReply(_Msg, tag="get_r"):
+class GetValueReply(wire.Message, tag="get_r"):
     rid: int
     found: bool
     meta: bytes = b""
     checksum: int = 0
 
 
-class CheckValueReply(_Msg, tag="exists_r"):
+class CheckValueReply(wire.Message, tag="exists_r"):
     rid: int
     found: bool
 
 
-class DeleteValueReply(_Msg, tag="delete_r"):
+class DeleteValueReply(wire.Message, tag="delete_r"):
     rid: int
     deleted: bool
 
 
-class PutValuesReply(_Msg, tag="mput_r"):
+class PutValuesReply(wire.Message, tag="mput_r"):
     rid: int
     # One per key: 0 stored, else the ErrorCode that key failed with.
     errors: list[int]
 
 
-class GetValuesReply(_Msg, tag="mget_r"):
+class GetValuesReply(wire.Message, tag="mget_r"):
     rid: int
     found: list[bool]
     # One per key (empty bytes and 0 where not found).
@@ -199,23 +195,23 @@ class GetValuesReply(_Msg, tag="mget_r"):
     checksums: list[int]
 
 
-class CheckValuesReply(_Msg, tag="mexists_r"):
+class CheckValuesReply(wire.Message, tag="mexists_r"):
     rid: int
     found: list[bool]
 
 
-class DeleteValuesReply(_Msg, tag="mdelete_r"):
+class DeleteValuesReply(wire.Message, tag="mdelete_r"):
     rid: int
     deleted: list[bool]
 
 
-class ListKeysReply(_Msg, tag="list_r"):
+class ListKeysReply(wire.Message, tag="list_r"):
     rid: int
     keys: list[str]
     cursor: str
 
 
-class GetStatsReply(_Msg, tag="stats_r"):
+class GetStatsReply(wire.Message, tag="stats_r"):
     rid: int
     keys: int
     memory_bytes: int
@@ -229,14 +225,14 @@ class GetStatsReply(_Msg, tag="stats_r"):
     uptime_s: float
 
 
-class CheckHealthReply(_Msg, tag="health_r"):
+class CheckHealthReply(wire.Message, tag="health_r"):
     rid: int
     ok: bool
     version: int = PROTOCOL_VERSION
     uptime_s: float = 0.0
 
 
-class ErrorReply(_Msg, tag="error"):
+class ErrorReply(wire.Message, tag="error"):
     rid: int
     code: int
     message: str
@@ -259,31 +255,15 @@ Reply = (
     | ErrorReply
 )
 
-REQUEST_TAGS = frozenset(t.__struct_config__.tag for t in Request.__args__)
-
-# One encoder and one decoder per direction, built once (msgspec's advice).
-encoder = msgspec.msgpack.Encoder()
-request_decoder = msgspec.msgpack.Decoder(Request)
-reply_decoder = msgspec.msgpack.Decoder(Reply)
-_raw_decoder = msgspec.msgpack.Decoder()
-
-
-def error_for(exc: Exception, raw: bytes | memoryview) -> ErrorReply:
-    """The ErrorReply for a header that failed to decode: UNKNOWN_MESSAGE when it is a
-    well-formed message of a tag this version does not know, BAD_MESSAGE otherwise.
-    The request id is echoed when it can still be read."""
-    rid, code = 0, ErrorCode.BAD_MESSAGE
-    try:
-        arr = _raw_decoder.decode(raw)
-    except (msgspec.DecodeError, ValueError):  # ValueError: invalid UTF-8 in a str
-        arr = None
-    if isinstance(arr, list) and arr:
-        if len(arr) > 1 and isinstance(arr[1], int) and not isinstance(arr[1], bool):
-            rid = arr[1] if 0 <= arr[1] < 2**63 else 0
-        if isinstance(arr[0], str) and arr[0] not in REQUEST_TAGS:
-            code = ErrorCode.UNKNOWN_MESSAGE
-    what = "unknown message type" if code is ErrorCode.UNKNOWN_MESSAGE else "bad message"
-    return ErrorReply(rid, int(code), f"{what}: {exc}"[:300])
+codec: wire.Codec[Request, Reply, ErrorReply] = wire.Codec(
+    Request, Reply, ErrorReply, ErrorCode, RETRYABLE
+)
+MalformedMessage = wire.MalformedMessage
+REQUEST_TAGS = codec.request_tags
+encode = codec.encode
+error_reply = codec.error_reply
+decode_request = codec.decode_request
+decode_reply = codec.decode_reply
 
 
 def valid_key(key: str) -> bool:

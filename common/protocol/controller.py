@@ -40,6 +40,8 @@ from enum import IntEnum
 
 import msgspec
 
+from kvmesh.common.protocol import wire
+
 PROTOCOL_VERSION = 1
 MAX_EVENTS_PER_BATCH = 65_536
 MAX_LOOKUP_KEYS = 16_384
@@ -69,20 +71,16 @@ class EventKind(IntEnum):
     EVICT = 2
 
 
-class _Msg(msgspec.Struct, tag=True, frozen=True, array_like=True, gc=False):
-    """Base of every message: tagged (the tag is the first array element)."""
-
-
 # -- worker → controller -------------------------------------------------------------
 
 
-class Hello(_Msg, tag="hello"):
+class Hello(wire.Message, tag="hello"):
     rid: int
     version: int
     client: str = ""
 
 
-class Register(_Msg, tag="register"):
+class Register(wire.Message, tag="register"):
     rid: int
     instance_id: str
     rank: int
@@ -95,18 +93,18 @@ class Register(_Msg, tag="register"):
     lookup_endpoint: str = ""
 
 
-class Deregister(_Msg, tag="deregister"):
+class Deregister(wire.Message, tag="deregister"):
     rid: int
     worker_id: str
 
 
-class Heartbeat(_Msg, tag="heartbeat"):
+class Heartbeat(wire.Message, tag="heartbeat"):
     rid: int
     worker_id: str
     last_seq: int  # the seq of the last event this worker sent
 
 
-class KVEventBatch(_Msg, tag="events"):
+class KVEventBatch(wire.Message, tag="events"):
     """Events first_seq, first_seq+1, ...: (EventKind, chunk key string, tier name)."""
 
     rid: int
@@ -115,7 +113,7 @@ class KVEventBatch(_Msg, tag="events"):
     events: list[tuple[int, str, str]]
 
 
-class FullState(_Msg, tag="full_state"):
+class FullState(wire.Message, tag="full_state"):
     """Everything the worker holds, per tier, as of event `seq` (later events follow)."""
 
     rid: int
@@ -124,7 +122,7 @@ class FullState(_Msg, tag="full_state"):
     tiers: dict[str, list[str]]
 
 
-class CommandReply(_Msg, tag="command_r"):
+class CommandReply(wire.Message, tag="command_r"):
     rid: int
     worker_id: str
     ok: bool
@@ -136,17 +134,17 @@ class CommandReply(_Msg, tag="command_r"):
 # -- anyone → controller: lookups and admin ----------------------------------------------
 
 
-class P2PLookup(_Msg, tag="p2p_lookup"):
+class P2PLookup(wire.Message, tag="p2p_lookup"):
     rid: int
     keys: list[str]
     exclude_instance: str = ""
 
 
-class ListWorkers(_Msg, tag="list_workers"):
+class ListWorkers(wire.Message, tag="list_workers"):
     rid: int
 
 
-class PrefixCounts(_Msg, tag="prefix_counts"):
+class PrefixCounts(wire.Message, tag="prefix_counts"):
     """How many leading chunks of a prompt each instance holds, from the registry.
 
     `hashes` are the prompt's 16-byte chained chunk hashes (namespace-free: the
@@ -158,14 +156,14 @@ class PrefixCounts(_Msg, tag="prefix_counts"):
     instance_id: str = ""  # "" = every instance
 
 
-class Clear(_Msg, tag="clear"):
+class Clear(wire.Message, tag="clear"):
     rid: int
     event_id: str
     instance_id: str = ""  # "" = every instance
     tier: str = ""  # "" = every tier
 
 
-class Pin(_Msg, tag="pin"):
+class Pin(wire.Message, tag="pin"):
     rid: int
     event_id: str
     keys: list[str]
@@ -173,13 +171,13 @@ class Pin(_Msg, tag="pin"):
     unpin: bool = False
 
 
-class Health(_Msg, tag="health"):
+class Health(wire.Message, tag="health"):
     rid: int
     event_id: str
     instance_id: str = ""
 
 
-class Move(_Msg, tag="move"):
+class Move(wire.Message, tag="move"):
     rid: int
     event_id: str
     keys: list[str]
@@ -188,14 +186,14 @@ class Move(_Msg, tag="move"):
     copy: bool = False
 
 
-class Compress(_Msg, tag="compress"):
+class Compress(wire.Message, tag="compress"):
     rid: int
     event_id: str
     instance_id: str = ""
     method: str = "zstd"
 
 
-class CheckFinish(_Msg, tag="check_finish"):
+class CheckFinish(wire.Message, tag="check_finish"):
     rid: int
     event_id: str
 
@@ -223,13 +221,13 @@ AdminRequest = Clear | Pin | Health | Move | Compress
 # -- controller → worker (pushed) ------------------------------------------------------
 
 
-class Resync(_Msg, tag="resync"):
+class Resync(wire.Message, tag="resync"):
     rid: int
     worker_id: str
     reason: str = ""
 
 
-class Command(_Msg, tag="command"):
+class Command(wire.Message, tag="command"):
     """An admin command for one worker: op is clear, pin, unpin, health (others are
     answered ok=False, "unsupported")."""
 
@@ -243,33 +241,33 @@ class Command(_Msg, tag="command"):
 # -- replies -------------------------------------------------------------------------
 
 
-class HelloReply(_Msg, tag="hello_r"):
+class HelloReply(wire.Message, tag="hello_r"):
     rid: int
     version: int
     server: str
 
 
-class RegisterReply(_Msg, tag="register_r"):
+class RegisterReply(wire.Message, tag="register_r"):
     rid: int
     worker_id: str
 
 
-class DeregisterReply(_Msg, tag="deregister_r"):
+class DeregisterReply(wire.Message, tag="deregister_r"):
     rid: int
     dropped_chunks: int
 
 
-class HeartbeatReply(_Msg, tag="heartbeat_r"):
+class HeartbeatReply(wire.Message, tag="heartbeat_r"):
     rid: int
     resync: bool = False  # the controller also pushed a Resync
 
 
-class FullStateReply(_Msg, tag="full_state_r"):
+class FullStateReply(wire.Message, tag="full_state_r"):
     rid: int
     chunks: int
 
 
-class P2PLookupReply(_Msg, tag="p2p_lookup_r"):
+class P2PLookupReply(wire.Message, tag="p2p_lookup_r"):
     rid: int
     instance_id: str = ""
     rank: int = -1
@@ -290,7 +288,7 @@ class WorkerInfo(msgspec.Struct, frozen=True, array_like=True, gc=False):
     lookup_endpoint: str = ""
 
 
-class ListWorkersReply(_Msg, tag="list_workers_r"):
+class ListWorkersReply(wire.Message, tag="list_workers_r"):
     rid: int
     workers: list[WorkerInfo]
 
@@ -303,7 +301,7 @@ class InstancePrefix(msgspec.Struct, frozen=True, array_like=True, gc=False):
     l1_chunks: int  # of those, leading chunks every rank holds in L1
 
 
-class PrefixCountsReply(_Msg, tag="prefix_counts_r"):
+class PrefixCountsReply(wire.Message, tag="prefix_counts_r"):
     rid: int
     instances: list[InstancePrefix]  # most chunks first
 
@@ -316,14 +314,14 @@ class WorkerResult(msgspec.Struct, frozen=True, array_like=True, gc=False):
     detail: dict[str, int] = {}
 
 
-class AdminReply(_Msg, tag="admin_r"):
+class AdminReply(wire.Message, tag="admin_r"):
     rid: int
     event_id: str
     done: bool  # every worker answered (or timed out); False: still running
     results: list[WorkerResult]
 
 
-class ErrorReply(_Msg, tag="error"):
+class ErrorReply(wire.Message, tag="error"):
     rid: int
     code: int
     message: str
@@ -345,33 +343,14 @@ Reply = (
 # What a worker's socket receives: replies and the controller's pushes.
 WorkerInbound = Reply | Resync | Command
 
-REQUEST_TAGS = frozenset(t.__struct_config__.tag for t in Request.__args__)
-
-# One encoder and one decoder per direction, built once (msgspec's advice).
-encoder = msgspec.msgpack.Encoder()
-request_decoder = msgspec.msgpack.Decoder(Request)
-reply_decoder = msgspec.msgpack.Decoder(Reply)
-worker_decoder = msgspec.msgpack.Decoder(WorkerInbound)
-_raw_decoder = msgspec.msgpack.Decoder()
-
-
-def error_for(exc: Exception, raw: bytes | memoryview) -> ErrorReply:
-    """The ErrorReply for a message that failed to decode: UNKNOWN_MESSAGE for a
-    well-formed message of a tag this version does not know, BAD_MESSAGE otherwise.
-    The request id is echoed when it can still be read."""
-    rid, code = 0, ErrorCode.BAD_MESSAGE
-    try:
-        arr = _raw_decoder.decode(raw)
-    except (msgspec.DecodeError, ValueError):
-        arr = None
-    if isinstance(arr, list) and arr:
-        if len(arr) > 1 and isinstance(arr[1], int) and not isinstance(arr[1], bool):
-            rid = arr[1] if 0 <= arr[1] < 2**63 else 0
-        if isinstance(arr[0], str) and arr[0] not in REQUEST_TAGS:
-            code = ErrorCode.UNKNOWN_MESSAGE
-    what = "unknown message type" if code is ErrorCode.UNKNOWN_MESSAGE else "bad message"
-    return ErrorReply(rid, int(code), f"{what}: {exc}"[:300])
-
-
-def error(rid: int, code: ErrorCode, message: str) -> ErrorReply:
-    return ErrorReply(rid, int(code), message[:300], code in RETRYABLE)
+# A client's socket receives the controller's pushes too, so replies decode as
+# WorkerInbound.
+codec: wire.Codec[Request, WorkerInbound, ErrorReply] = wire.Codec(
+    Request, WorkerInbound, ErrorReply, ErrorCode, RETRYABLE
+)
+MalformedMessage = wire.MalformedMessage
+REQUEST_TAGS = codec.request_tags
+encode = codec.encode
+error_reply = codec.error_reply
+decode_request = codec.decode_request
+decode_reply = codec.decode_reply

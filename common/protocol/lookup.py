@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from enum import IntEnum
 from pathlib import Path
 
-import msgspec
+from kvmesh.common.protocol import wire
 
 PROTOCOL_VERSION = 1
 MAX_TOKENS = 1 << 22  # 16 MiB of token ids; far beyond any context length
@@ -63,20 +63,16 @@ class ErrorCode(IntEnum):
 RETRYABLE = frozenset({ErrorCode.DEADLINE_EXCEEDED, ErrorCode.SHUTTING_DOWN})
 
 
-class _Msg(msgspec.Struct, tag=True, frozen=True, array_like=True, gc=False):
-    """Base of every message: tagged (the tag is the first array element)."""
-
-
 # -- requests ----------------------------------------------------------------------------
 
 
-class Hello(_Msg, tag="hello"):
+class Hello(wire.Message, tag="hello"):
     rid: int
     version: int
     client: str = ""
 
 
-class LookupPrefix(_Msg, tag="lookup"):
+class LookupPrefix(wire.Message, tag="lookup"):
     rid: int
     version: int
     lookup_id: str
@@ -86,7 +82,7 @@ class LookupPrefix(_Msg, tag="lookup"):
     deadline: float = 0.0
 
 
-class ReleaseLookup(_Msg, tag="release"):
+class ReleaseLookup(wire.Message, tag="release"):
     rid: int
     version: int
     lookup_id: str
@@ -97,7 +93,7 @@ Request = Hello | LookupPrefix | ReleaseLookup
 # -- replies -----------------------------------------------------------------------------
 
 
-class HelloReply(_Msg, tag="hello_r"):
+class HelloReply(wire.Message, tag="hello_r"):
     rid: int
     version: int
     instance_id: str
@@ -106,17 +102,17 @@ class HelloReply(_Msg, tag="hello_r"):
     chunk_size: int
 
 
-class LookupPrefixReply(_Msg, tag="lookup_r"):
+class LookupPrefixReply(wire.Message, tag="lookup_r"):
     rid: int
     hit_tokens: int
 
 
-class ReleaseLookupReply(_Msg, tag="release_r"):
+class ReleaseLookupReply(wire.Message, tag="release_r"):
     rid: int
     released: bool
 
 
-class ErrorReply(_Msg, tag="error"):
+class ErrorReply(wire.Message, tag="error"):
     rid: int
     code: int
     message: str
@@ -124,73 +120,6 @@ class ErrorReply(_Msg, tag="error"):
 
 
 Reply = HelloReply | LookupPrefixReply | ReleaseLookupReply | ErrorReply
-
-REQUEST_TAGS = frozenset(t.__struct_config__.tag for t in Request.__args__)
-REPLY_TAGS = frozenset(t.__struct_config__.tag for t in Reply.__args__)
-
-# One encoder and one decoder per direction, built once.
-_encoder = msgspec.msgpack.Encoder()
-_request_decoder = msgspec.msgpack.Decoder(Request)
-_reply_decoder = msgspec.msgpack.Decoder(Reply)
-_raw_decoder = msgspec.msgpack.Decoder()
-
-
-class MalformedMessage(ValueError):
-    """A frame that is not a valid message; `reply` is the ErrorReply to send back."""
-
-    def __init__(self, reply: ErrorReply) -> None:
-        super().__init__(reply.message)
-        self.reply = reply
-
-
-def encode(msg: _Msg) -> bytes:
-    return _encoder.encode(msg)
-
-
-def error_reply(rid: int, code: ErrorCode, message: str) -> ErrorReply:
-    return ErrorReply(rid, int(code), message[:300], code in RETRYABLE)
-
-
-def decode_request(frames: Iterable[bytes | memoryview | msgspec.Raw]) -> Request:
-    """The request in `frames` (what follows the routing id), fully validated.
-
-    Raises MalformedMessage for anything else: not exactly one frame, bytes that are
-    not msgpack, an unknown tag, a wrong field, another protocol version, or tokens
-    that are not whole uint32s.
-    """
-    parts = list(frames)
-    if len(parts) != 1:
-        raw = parts[0] if parts else b""
-        problem = f"expected 1 frame, got {len(parts)}"
-        raise MalformedMessage(error_reply(_read_rid(raw), ErrorCode.BAD_MESSAGE, problem))
-    raw = parts[0]
-    try:
-        msg = _request_decoder.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise MalformedMessage(_error_for(exc, raw, REQUEST_TAGS)) from None
-    if not 0 <= msg.rid < 2**63:
-        raise MalformedMessage(error_reply(0, ErrorCode.BAD_MESSAGE, "rid must be in [0, 2**63)"))
-    if msg.version != PROTOCOL_VERSION:
-        raise MalformedMessage(
-            error_reply(
-                msg.rid,
-                ErrorCode.VERSION_MISMATCH,
-                f"protocol version {msg.version} not supported; this engine speaks "
-                f"{PROTOCOL_VERSION}",
-            )
-        )
-    problem = _check_request(msg)
-    if problem is not None:
-        raise MalformedMessage(error_reply(msg.rid, *problem))
-    return msg
-
-
-def decode_reply(raw: bytes | memoryview) -> Reply:
-    """The reply in one frame; MalformedMessage (with a local ErrorReply) otherwise."""
-    try:
-        return _reply_decoder.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise MalformedMessage(_error_for(exc, raw, REPLY_TAGS)) from None
 
 
 def _check_request(msg: Request) -> tuple[ErrorCode, str] | None:
@@ -210,29 +139,22 @@ def _check_request(msg: Request) -> tuple[ErrorCode, str] | None:
     return None
 
 
-def _read_rid(raw: bytes | memoryview | msgspec.Raw) -> int:
-    try:
-        arr = _raw_decoder.decode(raw)
-    except (msgspec.DecodeError, TypeError):
-        return 0
-    if isinstance(arr, list) and len(arr) > 1:
-        rid = arr[1]
-        if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid < 2**63:
-            return rid
-    return 0
-
-
-def _error_for(exc: Exception, raw: bytes | memoryview, tags: frozenset[str]) -> ErrorReply:
-    """BAD_MESSAGE, or UNKNOWN_MESSAGE for a well-formed message of a tag not in tags."""
-    code = ErrorCode.BAD_MESSAGE
-    try:
-        arr = _raw_decoder.decode(raw)
-    except (msgspec.DecodeError, TypeError):
-        arr = None
-    if isinstance(arr, list) and arr and isinstance(arr[0], str) and arr[0] not in tags:
-        code = ErrorCode.UNKNOWN_MESSAGE
-    what = "unknown message type" if code is ErrorCode.UNKNOWN_MESSAGE else "bad message"
-    return error_reply(_read_rid(raw), code, f"{what}: {exc}")
+codec: wire.Codec[Request, Reply, ErrorReply] = wire.Codec(
+    Request,
+    Reply,
+    ErrorReply,
+    ErrorCode,
+    RETRYABLE,
+    version=PROTOCOL_VERSION,
+    speaker="this engine",
+    check=_check_request,
+)
+MalformedMessage = wire.MalformedMessage
+encode = codec.encode
+error_reply = codec.error_reply
+# The frames that follow the routing id: exactly one.
+decode_request = codec.decode_request_frames
+decode_reply = codec.decode_reply
 
 
 # -- token ids ---------------------------------------------------------------------------

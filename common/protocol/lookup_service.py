@@ -32,6 +32,7 @@ from enum import IntEnum
 
 import msgspec
 
+from kvmesh.common.protocol import wire
 from kvmesh.common.protocol.lookup import MAX_ID_CHARS, MAX_TOKENS, TOKEN_BYTES
 
 PROTOCOL_VERSION = 1
@@ -55,20 +56,16 @@ class ErrorCode(IntEnum):
 RETRYABLE = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.SHUTTING_DOWN})
 
 
-class _Msg(msgspec.Struct, tag=True, frozen=True, array_like=True, gc=False):
-    """Base of every message: tagged (the tag is the first array element)."""
-
-
 # -- requests ----------------------------------------------------------------------------
 
 
-class Hello(_Msg, tag="hello"):
+class Hello(wire.Message, tag="hello"):
     rid: int
     version: int
     client: str = ""
 
 
-class Lookup(_Msg, tag="lookup"):
+class Lookup(wire.Message, tag="lookup"):
     rid: int
     version: int
     instance_id: str
@@ -79,14 +76,14 @@ class Lookup(_Msg, tag="lookup"):
     tenant: str = ""
 
 
-class Release(_Msg, tag="release"):
+class Release(wire.Message, tag="release"):
     rid: int
     version: int
     instance_id: str
     lookup_id: str
 
 
-class BestInstances(_Msg, tag="best"):
+class BestInstances(wire.Message, tag="best"):
     rid: int
     version: int
     tokens: bytes = b""
@@ -99,14 +96,14 @@ Request = Hello | Lookup | Release | BestInstances
 # -- replies -----------------------------------------------------------------------------
 
 
-class HelloReply(_Msg, tag="hello_r"):
+class HelloReply(wire.Message, tag="hello_r"):
     rid: int
     version: int
     server: str
     chunk_size: int
 
 
-class LookupReply(_Msg, tag="lookup_r"):
+class LookupReply(wire.Message, tag="lookup_r"):
     rid: int
     hit_tokens: int
     per_rank: list[int]  # each rank's answer (index = rank); -1: no answer
@@ -114,7 +111,7 @@ class LookupReply(_Msg, tag="lookup_r"):
     source: str = "workers"  # "workers" or "controller" (a lookup by hashes)
 
 
-class ReleaseReply(_Msg, tag="release_r"):
+class ReleaseReply(wire.Message, tag="release_r"):
     rid: int
     ranks: int  # how many ranks it was sent to
 
@@ -126,12 +123,12 @@ class InstanceHit(msgspec.Struct, frozen=True, array_like=True, gc=False):
     world_size: int
 
 
-class BestInstancesReply(_Msg, tag="best_r"):
+class BestInstancesReply(wire.Message, tag="best_r"):
     rid: int
     instances: list[InstanceHit]  # longest cached prefix first
 
 
-class ErrorReply(_Msg, tag="error"):
+class ErrorReply(wire.Message, tag="error"):
     rid: int
     code: int
     message: str
@@ -139,59 +136,6 @@ class ErrorReply(_Msg, tag="error"):
 
 
 Reply = HelloReply | LookupReply | ReleaseReply | BestInstancesReply | ErrorReply
-
-REQUEST_TAGS = frozenset(t.__struct_config__.tag for t in Request.__args__)
-
-_encoder = msgspec.msgpack.Encoder()
-_request_decoder = msgspec.msgpack.Decoder(Request)
-_reply_decoder = msgspec.msgpack.Decoder(Reply)
-_raw_decoder = msgspec.msgpack.Decoder()
-
-
-class MalformedMessage(ValueError):
-    """A frame that is not a valid request; `reply` is the ErrorReply to send back."""
-
-    def __init__(self, reply: ErrorReply) -> None:
-        super().__init__(reply.message)
-        self.reply = reply
-
-
-def encode(msg: _Msg) -> bytes:
-    return _encoder.encode(msg)
-
-
-def error_reply(rid: int, code: ErrorCode, message: str) -> ErrorReply:
-    return ErrorReply(rid, int(code), message[:300], code in RETRYABLE)
-
-
-def decode_request(raw: bytes | memoryview) -> Request:
-    """The request in one frame, validated; MalformedMessage otherwise."""
-    try:
-        msg = _request_decoder.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-        raise MalformedMessage(_error_for(exc, raw)) from None
-    if not 0 <= msg.rid < 2**63:
-        raise MalformedMessage(error_reply(0, ErrorCode.BAD_MESSAGE, "rid must be in [0, 2**63)"))
-    if msg.version != PROTOCOL_VERSION:
-        raise MalformedMessage(
-            error_reply(
-                msg.rid,
-                ErrorCode.VERSION_MISMATCH,
-                f"protocol version {msg.version} not supported; the lookup-server speaks "
-                f"{PROTOCOL_VERSION}",
-            )
-        )
-    problem = _check(msg)
-    if problem is not None:
-        raise MalformedMessage(error_reply(msg.rid, *problem))
-    return msg
-
-
-def decode_reply(raw: bytes | memoryview) -> Reply:
-    try:
-        return _reply_decoder.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-        raise MalformedMessage(error_reply(0, ErrorCode.BAD_MESSAGE, str(exc))) from None
 
 
 def _check(msg: Request) -> tuple[ErrorCode, str] | None:
@@ -218,17 +162,18 @@ def _check(msg: Request) -> tuple[ErrorCode, str] | None:
     return None
 
 
-def _error_for(exc: Exception, raw: bytes | memoryview) -> ErrorReply:
-    """BAD_MESSAGE, or UNKNOWN_MESSAGE for a well-formed message of an unknown tag."""
-    code, rid = ErrorCode.BAD_MESSAGE, 0
-    try:
-        arr = _raw_decoder.decode(raw)
-    except (msgspec.DecodeError, ValueError, TypeError):
-        arr = None
-    if isinstance(arr, list) and arr:
-        if len(arr) > 1 and isinstance(arr[1], int) and not isinstance(arr[1], bool):
-            rid = arr[1] if 0 <= arr[1] < 2**63 else 0
-        if isinstance(arr[0], str) and arr[0] not in REQUEST_TAGS:
-            code = ErrorCode.UNKNOWN_MESSAGE
-    what = "unknown message type" if code is ErrorCode.UNKNOWN_MESSAGE else "bad message"
-    return error_reply(rid, code, f"{what}: {exc}")
+codec: wire.Codec[Request, Reply, ErrorReply] = wire.Codec(
+    Request,
+    Reply,
+    ErrorReply,
+    ErrorCode,
+    RETRYABLE,
+    version=PROTOCOL_VERSION,
+    speaker="the lookup-server",
+    check=_check,
+)
+MalformedMessage = wire.MalformedMessage
+encode = codec.encode
+error_reply = codec.error_reply
+decode_request = codec.decode_request
+decode_reply = codec.decode_reply

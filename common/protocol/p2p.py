@@ -31,6 +31,8 @@ from enum import IntEnum
 
 import msgspec
 
+from kvmesh.common.protocol import wire
+
 PROTOCOL_VERSION = 1
 MAX_KEYS = 4096  # per request: ~16 GiB of 4 MiB chunks, far beyond one prompt
 MAX_KEY_CHARS = 64  # "<16 hex>-<32 hex>" is 49
@@ -52,10 +54,6 @@ class ErrorCode(IntEnum):
 RETRYABLE = frozenset({ErrorCode.DEADLINE_EXCEEDED, ErrorCode.SHUTTING_DOWN})
 
 
-class _Msg(msgspec.Struct, tag=True, frozen=True, array_like=True, gc=False):
-    """Base of every message: tagged (the tag is the first array element)."""
-
-
 class ChunkMeta(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """One chunk a peer holds: enough to allocate a buffer for it and check it."""
 
@@ -71,27 +69,27 @@ class ChunkMeta(msgspec.Struct, frozen=True, array_like=True, gc=False):
 # -- requests ----------------------------------------------------------------------------
 
 
-class Hello(_Msg, tag="hello"):
+class Hello(wire.Message, tag="hello"):
     rid: int
     version: int
     client: str = ""
 
 
-class ReadChunks(_Msg, tag="read"):
+class ReadChunks(wire.Message, tag="read"):
     rid: int
     version: int
     keys: list[str]
     deadline: float = 0.0
 
 
-class PinChunks(_Msg, tag="pin"):
+class PinChunks(wire.Message, tag="pin"):
     rid: int
     version: int
     keys: list[str]
     deadline: float = 0.0
 
 
-class ReleaseChunks(_Msg, tag="release"):
+class ReleaseChunks(wire.Message, tag="release"):
     rid: int
     version: int
     lease: int
@@ -102,7 +100,7 @@ Request = Hello | ReadChunks | PinChunks | ReleaseChunks
 # -- replies -----------------------------------------------------------------------------
 
 
-class HelloReply(_Msg, tag="hello_r"):
+class HelloReply(wire.Message, tag="hello_r"):
     rid: int
     version: int
     instance_id: str
@@ -111,23 +109,23 @@ class HelloReply(_Msg, tag="hello_r"):
     agent_metadata: bytes = b""
 
 
-class ReadChunksReply(_Msg, tag="read_r"):
+class ReadChunksReply(wire.Message, tag="read_r"):
     rid: int
     chunks: list[ChunkMeta]
 
 
-class PinChunksReply(_Msg, tag="pin_r"):
+class PinChunksReply(wire.Message, tag="pin_r"):
     rid: int
     lease: int
     chunks: list[ChunkMeta]
 
 
-class ReleaseChunksReply(_Msg, tag="release_r"):
+class ReleaseChunksReply(wire.Message, tag="release_r"):
     rid: int
     released: bool
 
 
-class ErrorReply(_Msg, tag="error"):
+class ErrorReply(wire.Message, tag="error"):
     rid: int
     code: int
     message: str
@@ -136,63 +134,31 @@ class ErrorReply(_Msg, tag="error"):
 
 Reply = HelloReply | ReadChunksReply | PinChunksReply | ReleaseChunksReply | ErrorReply
 
-REQUEST_TAGS = frozenset(t.__struct_config__.tag for t in Request.__args__)
-REPLY_TAGS = frozenset(t.__struct_config__.tag for t in Reply.__args__)
 
-_encoder = msgspec.msgpack.Encoder()
-_request_decoder = msgspec.msgpack.Decoder(Request)
-_reply_decoder = msgspec.msgpack.Decoder(Reply)
-_raw_decoder = msgspec.msgpack.Decoder()
-
-
-class MalformedMessage(ValueError):
-    """Frames that are not a valid message; `reply` is the ErrorReply for them."""
-
-    def __init__(self, reply: ErrorReply) -> None:
-        super().__init__(reply.message)
-        self.reply = reply
-
-
-def encode(msg: _Msg) -> bytes:
-    return _encoder.encode(msg)
-
-
-def error_reply(rid: int, code: ErrorCode, message: str) -> ErrorReply:
-    return ErrorReply(rid, int(code), message[:300], code in RETRYABLE)
-
-
-def decode_request(frames: Sequence[bytes | memoryview]) -> Request:
-    """The request in frames (what follows the routing id), validated; otherwise
-    MalformedMessage: not one frame, not msgpack, unknown tag, wrong fields, another
-    version, too many keys."""
-    if len(frames) != 1:
-        raw = frames[0] if frames else b""
-        msg = f"expected 1 frame, got {len(frames)}"
-        raise MalformedMessage(error_reply(_read_rid(raw), ErrorCode.BAD_MESSAGE, msg))
-    raw = frames[0]
-    try:
-        msg = _request_decoder.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise MalformedMessage(_error_for(exc, raw, REQUEST_TAGS)) from None
-    if not 0 <= msg.rid < 2**63:
-        raise MalformedMessage(error_reply(0, ErrorCode.BAD_MESSAGE, "rid must be in [0, 2**63)"))
-    if msg.version != PROTOCOL_VERSION:
-        raise MalformedMessage(
-            error_reply(
-                msg.rid,
-                ErrorCode.VERSION_MISMATCH,
-                f"protocol version {msg.version} not supported; this peer speaks "
-                f"{PROTOCOL_VERSION}",
-            )
-        )
+def _check_request(msg: Request) -> tuple[ErrorCode, str] | None:
     if isinstance(msg, ReadChunks | PinChunks):
         if len(msg.keys) > MAX_KEYS:
-            raise MalformedMessage(
-                error_reply(msg.rid, ErrorCode.BAD_MESSAGE, f"more than {MAX_KEYS} keys")
-            )
+            return ErrorCode.BAD_MESSAGE, f"more than {MAX_KEYS} keys"
         if any(len(k) > MAX_KEY_CHARS for k in msg.keys):
-            raise MalformedMessage(error_reply(msg.rid, ErrorCode.BAD_KEY, "key too long"))
-    return msg
+            return ErrorCode.BAD_KEY, "key too long"
+    return None
+
+
+codec: wire.Codec[Request, Reply, ErrorReply] = wire.Codec(
+    Request,
+    Reply,
+    ErrorReply,
+    ErrorCode,
+    RETRYABLE,
+    version=PROTOCOL_VERSION,
+    speaker="this peer",
+    check=_check_request,
+)
+MalformedMessage = wire.MalformedMessage
+encode = codec.encode
+error_reply = codec.error_reply
+# The frames that follow the routing id: exactly one.
+decode_request = codec.decode_request_frames
 
 
 def decode_reply(frames: Sequence[bytes | memoryview]) -> Reply:
@@ -200,36 +166,9 @@ def decode_reply(frames: Sequence[bytes | memoryview]) -> Reply:
     MalformedMessage (with a local ErrorReply)."""
     if not frames:
         raise MalformedMessage(error_reply(0, ErrorCode.BAD_MESSAGE, "empty reply"))
-    try:
-        reply = _reply_decoder.decode(frames[0])
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise MalformedMessage(_error_for(exc, frames[0], REPLY_TAGS)) from None
+    reply = codec.decode_reply(frames[0])
     want = len(reply.chunks) if isinstance(reply, ReadChunksReply) else 0
     if len(frames) - 1 != want:
         problem = f"reply carries {len(frames) - 1} payload frames, expected {want}"
         raise MalformedMessage(error_reply(reply.rid, ErrorCode.BAD_MESSAGE, problem))
     return reply
-
-
-def _read_rid(raw: bytes | memoryview) -> int:
-    try:
-        arr = _raw_decoder.decode(raw)
-    except (msgspec.DecodeError, TypeError):
-        return 0
-    if isinstance(arr, list) and len(arr) > 1:
-        rid = arr[1]
-        if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid < 2**63:
-            return rid
-    return 0
-
-
-def _error_for(exc: Exception, raw: bytes | memoryview, tags: frozenset[str]) -> ErrorReply:
-    code = ErrorCode.BAD_MESSAGE
-    try:
-        arr = _raw_decoder.decode(raw)
-    except (msgspec.DecodeError, TypeError):
-        arr = None
-    if isinstance(arr, list) and arr and isinstance(arr[0], str) and arr[0] not in tags:
-        code = ErrorCode.UNKNOWN_MESSAGE
-    what = "unknown message type" if code is ErrorCode.UNKNOWN_MESSAGE else "bad message"
-    return error_reply(_read_rid(raw), code, f"{what}: {exc}")

@@ -22,7 +22,6 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -159,8 +158,8 @@ class CacheServerClient:
             except zmq.Again:
                 break
             try:
-                reply = proto.reply_decoder.decode(frames[0].buffer)
-            except (msgspec.DecodeError, ValueError):  # not a reply of ours: ignore it
+                reply = proto.decode_reply(frames[0].buffer)
+            except proto.MalformedMessage:  # not a reply of ours: ignore it
                 continue
             fut = pending.pop(reply.rid, None)
             if fut is None:
@@ -199,11 +198,11 @@ class CacheServerClient:
         finally:
             self._drain()  # a send can swallow the FD's edge for replies already waiting
 
-    async def _send(self, header: proto._Msg, frames: Sequence[Any], timeout_s: float) -> Any:
+    async def _send(self, header: proto.Request, frames: Sequence[Any], timeout_s: float) -> Any:
         """Send one request and wait for its reply or an error; returns (reply, frames)."""
         rid = header.rid  # type: ignore[attr-defined]
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        parts = [proto.encoder.encode(header), *frames]
+        parts = [proto.encode(header), *frames]
         track = any(_nbytes(f) >= TRACK_FROM for f in frames)
         tracker = None
         try:

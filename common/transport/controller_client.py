@@ -15,7 +15,6 @@ import itertools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import msgspec
 import zmq
 import zmq.asyncio
 
@@ -93,7 +92,7 @@ class ControllerConnection:
         if self._sock is None:
             return False
         try:
-            self._sock.send(proto.encoder.encode(msg), zmq.NOBLOCK)
+            self._sock.send(proto.encode(msg), zmq.NOBLOCK)
             return True
         except zmq.ZMQError:
             return False
@@ -122,8 +121,8 @@ class ControllerConnection:
         while True:
             raw = await self._sock.recv()
             try:
-                msg = proto.worker_decoder.decode(raw)
-            except (msgspec.DecodeError, ValueError):
+                msg = proto.decode_reply(raw)
+            except proto.MalformedMessage:
                 continue  # nothing to answer a controller's garbage with; skip it
             if isinstance(msg, proto.Resync | proto.Command):
                 if self.on_push is not None:

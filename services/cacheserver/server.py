@@ -32,7 +32,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -214,11 +213,10 @@ class CacheServer:
         peer = frames[0].bytes
         header, values = frames[1], frames[2:]
         try:
-            msg = proto.request_decoder.decode(header.buffer)
-        except (msgspec.DecodeError, ValueError) as exc:  # ValueError: invalid UTF-8
-            err = proto.error_for(exc, header.buffer)
-            self._count("invalid", ErrorCode(err.code))
-            self._reply(peer, err, [])
+            msg = proto.decode_request(header.buffer)
+        except proto.MalformedMessage as exc:
+            self._count("invalid", ErrorCode(exc.reply.code))
+            self._reply(peer, exc.reply, [])
             return
         now = time.monotonic()
         if isinstance(msg, proto.Hello):
@@ -314,9 +312,7 @@ class CacheServer:
             return
         try:
             # ROUTER never blocks: a message for a gone (or far behind) peer is dropped.
-            sock.send_multipart(
-                [peer, proto.encoder.encode(reply), *values], zmq.NOBLOCK, copy=False
-            )
+            sock.send_multipart([peer, proto.encode(reply), *values], zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
             log.debug("reply not sent", error=str(exc))
 

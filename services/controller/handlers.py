@@ -60,9 +60,9 @@ class Handlers:
     # -- workers ------------------------------------------------------------------------
     def register(self, peer: bytes, msg: proto.Register) -> Any:
         if not 0 < len(msg.instance_id) <= MAX_ID_CHARS or not msg.instance_id.isprintable():
-            return proto.error(msg.rid, ErrorCode.BAD_REQUEST, "instance_id: 1-256 printable")
+            return proto.error_reply(msg.rid, ErrorCode.BAD_REQUEST, "instance_id: 1-256 printable")
         if not (0 <= msg.rank < msg.world_size) or msg.heartbeat_s <= 0:
-            return proto.error(msg.rid, ErrorCode.BAD_REQUEST, "need 0 <= rank < world_size")
+            return proto.error_reply(msg.rid, ErrorCode.BAD_REQUEST, "need 0 <= rank < world_size")
         entry = self.registry.register(
             msg.instance_id,
             msg.rank,
@@ -85,7 +85,9 @@ class Handlers:
 
     def _not_registered(self, msg: Any) -> proto.ErrorReply:
         self.stats.errors[ErrorCode.NOT_REGISTERED].inc()
-        return proto.error(msg.rid, ErrorCode.NOT_REGISTERED, f"{msg.worker_id}: register first")
+        return proto.error_reply(
+            msg.rid, ErrorCode.NOT_REGISTERED, f"{msg.worker_id}: register first"
+        )
 
     def deregister(self, peer: bytes, msg: proto.Deregister) -> Any:
         if self._entry(peer, msg.worker_id) is None:
@@ -109,7 +111,7 @@ class Handlers:
         if entry is None:
             return self._not_registered(msg)
         if len(msg.events) > proto.MAX_EVENTS_PER_BATCH:
-            return proto.error(msg.rid, ErrorCode.BAD_REQUEST, "batch too large")
+            return proto.error_reply(msg.rid, ErrorCode.BAD_REQUEST, "batch too large")
         if entry.resync_sent:
             # Waiting for its FullState, which covers these events; re-ask if it is late.
             self._resync(entry, "full state overdue")
@@ -150,7 +152,7 @@ class Handlers:
     # -- lookups and listings -----------------------------------------------------------
     def p2p_lookup(self, peer: bytes, msg: proto.P2PLookup) -> Any:
         if len(msg.keys) > proto.MAX_LOOKUP_KEYS:
-            return proto.error(msg.rid, ErrorCode.BAD_REQUEST, "too many keys")
+            return proto.error_reply(msg.rid, ErrorCode.BAD_REQUEST, "too many keys")
         found = self.registry.locate(msg.keys, msg.exclude_instance)
         if found is None:
             self.stats.lookup_miss.inc()
@@ -163,9 +165,9 @@ class Handlers:
 
     def prefix_counts(self, peer: bytes, msg: proto.PrefixCounts) -> Any:
         if len(msg.hashes) > proto.MAX_LOOKUP_KEYS:
-            return proto.error(msg.rid, ErrorCode.BAD_REQUEST, "too many hashes")
+            return proto.error_reply(msg.rid, ErrorCode.BAD_REQUEST, "too many hashes")
         if any(len(h) != 16 for h in msg.hashes):
-            return proto.error(msg.rid, ErrorCode.BAD_REQUEST, "hashes must be 16 bytes each")
+            return proto.error_reply(msg.rid, ErrorCode.BAD_REQUEST, "hashes must be 16 bytes each")
         counts = self.registry.prefix_counts(msg.hashes, msg.instance_id)
         return proto.PrefixCountsReply(msg.rid, [proto.InstancePrefix(*c) for c in counts])
 
@@ -193,13 +195,15 @@ class Handlers:
     def check_finish(self, peer: bytes, msg: proto.CheckFinish) -> Any:
         known = self.fanout.events.get(msg.event_id)
         if known is None:
-            return proto.error(msg.rid, ErrorCode.BAD_REQUEST, f"unknown event id {msg.event_id!r}")
+            return proto.error_reply(
+                msg.rid, ErrorCode.BAD_REQUEST, f"unknown event id {msg.event_id!r}"
+            )
         return proto.AdminReply(msg.rid, msg.event_id, known[0], known[1])
 
     # -- admin fan-out ------------------------------------------------------------------
     async def admin(self, peer: bytes, msg: proto.Clear | proto.Pin | proto.Health) -> Any:
         if not msg.event_id or len(msg.event_id) > MAX_ID_CHARS:
-            return proto.error(msg.rid, ErrorCode.BAD_REQUEST, "event_id: 1-256 characters")
+            return proto.error_reply(msg.rid, ErrorCode.BAD_REQUEST, "event_id: 1-256 characters")
         targets = [
             w
             for w in self.registry.workers.values()
@@ -217,4 +221,4 @@ class Handlers:
     async def unsupported(self, peer: bytes, msg: Any) -> Any:
         self.stats.errors[ErrorCode.UNSUPPORTED].inc()
         op = msg.__struct_config__.tag
-        return proto.error(msg.rid, ErrorCode.UNSUPPORTED, f"{op} is not supported yet")
+        return proto.error_reply(msg.rid, ErrorCode.UNSUPPORTED, f"{op} is not supported yet")

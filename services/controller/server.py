@@ -173,24 +173,23 @@ class ControllerServer:
 
     def _dispatch(self, peer: bytes, raw: memoryview, nframes: int) -> None:
         try:
-            msg = proto.request_decoder.decode(raw)
-        except (msgspec.DecodeError, ValueError) as exc:  # ValueError: invalid UTF-8
-            err = proto.error_for(exc, raw)
+            msg = proto.decode_request(raw)
+        except proto.MalformedMessage as exc:
             self.stats.requests["invalid"].inc()
-            self.stats.errors[ErrorCode(err.code)].inc()
-            self.push(peer, err)
+            self.stats.errors[ErrorCode(exc.reply.code)].inc()
+            self.push(peer, exc.reply)
             return
         op = msg.__struct_config__.tag
         self.stats.requests[op].inc()
         if nframes != 2:
-            self.push(peer, proto.error(msg.rid, ErrorCode.BAD_MESSAGE, "one frame expected"))
+            self.push(peer, proto.error_reply(msg.rid, ErrorCode.BAD_MESSAGE, "one frame expected"))
             return
         if isinstance(msg, proto.Hello):
             self.push(peer, self._hello(peer, msg))
             return
         if peer not in self.sessions:
             self.stats.errors[ErrorCode.NO_HELLO].inc()
-            self.push(peer, proto.error(msg.rid, ErrorCode.NO_HELLO, "say hello first"))
+            self.push(peer, proto.error_reply(msg.rid, ErrorCode.NO_HELLO, "say hello first"))
             return
         self.sessions[peer] = time.monotonic()
         handler = self.handlers.table.get(type(msg))
@@ -200,7 +199,7 @@ class ControllerServer:
                 self.push(peer, reply)
             return
         if len(self._inflight) >= MAX_INFLIGHT_TASKS:
-            self.push(peer, proto.error(msg.rid, ErrorCode.SHUTTING_DOWN, "busy, retry"))
+            self.push(peer, proto.error_reply(msg.rid, ErrorCode.SHUTTING_DOWN, "busy, retry"))
             return
         task = asyncio.get_running_loop().create_task(
             self._handle_async(peer, self.handlers.async_table[type(msg)], msg)
@@ -214,14 +213,14 @@ class ControllerServer:
         except Exception as exc:  # a bug: answer, log, keep serving
             log.exception("handler failed", op=msg.__struct_config__.tag)
             self.stats.errors[ErrorCode.INTERNAL].inc()
-            reply = proto.error(msg.rid, ErrorCode.INTERNAL, repr(exc))
+            reply = proto.error_reply(msg.rid, ErrorCode.INTERNAL, repr(exc))
         self.push(peer, reply)
         self._on_readable()  # the send may have swallowed the FD's edge
 
     def _hello(self, peer: bytes, msg: proto.Hello) -> Any:
         if msg.version != proto.PROTOCOL_VERSION:
             self.stats.errors[ErrorCode.VERSION_MISMATCH].inc()
-            return proto.error(
+            return proto.error_reply(
                 msg.rid,
                 ErrorCode.VERSION_MISMATCH,
                 f"controller speaks protocol version {proto.PROTOCOL_VERSION}, "
@@ -237,7 +236,7 @@ class ControllerServer:
             return False
         try:
             # ROUTER never blocks: a message for a gone (or far behind) peer is dropped.
-            sock.send_multipart([peer, proto.encoder.encode(msg)], zmq.NOBLOCK, copy=False)
+            sock.send_multipart([peer, proto.encode(msg)], zmq.NOBLOCK, copy=False)
             return True
         except zmq.ZMQError as exc:
             log.debug("message not sent", error=str(exc))

@@ -131,10 +131,10 @@ class RawPeer:
         await self.sock.send_multipart(list(frames))
         async with asyncio.timeout(timeout_s):
             reply = await self.sock.recv_multipart()
-        return proto.reply_decoder.decode(reply[0])
+        return proto.decode_reply(reply[0])
 
     async def hello(self) -> None:
-        reply = await self.ask(proto.encoder.encode(proto.Hello(1, proto.PROTOCOL_VERSION)))
+        reply = await self.ask(proto.encode(proto.Hello(1, proto.PROTOCOL_VERSION)))
         assert isinstance(reply, proto.HelloReply)
 
     def close(self) -> None:
@@ -143,7 +143,7 @@ class RawPeer:
 
 
 def enc(msg) -> bytes:
-    return proto.encoder.encode(msg)
+    return proto.encode(msg)
 
 
 def test_bad_input_gets_errors_and_others_are_served(server) -> None:

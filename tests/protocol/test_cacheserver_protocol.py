@@ -46,53 +46,53 @@ REPLIES = [
 
 @pytest.mark.parametrize("msg", REQUESTS, ids=lambda m: type(m).__name__)
 def test_requests_round_trip(msg) -> None:
-    assert proto.request_decoder.decode(proto.encoder.encode(msg)) == msg
+    assert proto.decode_request(proto.encode(msg)) == msg
 
 
 @pytest.mark.parametrize("msg", REPLIES, ids=lambda m: type(m).__name__)
 def test_replies_round_trip(msg) -> None:
-    assert proto.reply_decoder.decode(proto.encoder.encode(msg)) == msg
+    assert proto.decode_reply(proto.encode(msg)) == msg
 
 
 def test_requests_and_replies_never_cross() -> None:
-    with pytest.raises(msgspec.ValidationError):
-        proto.reply_decoder.decode(proto.encoder.encode(proto.GetValue(1, "k")))
-    with pytest.raises(msgspec.ValidationError):
-        proto.request_decoder.decode(proto.encoder.encode(proto.CheckValueReply(1, True)))
+    with pytest.raises(proto.MalformedMessage):
+        proto.decode_reply(proto.encode(proto.GetValue(1, "k")))
+    with pytest.raises(proto.MalformedMessage):
+        proto.decode_request(proto.encode(proto.CheckValueReply(1, True)))
 
 
 def test_old_reads_new_and_new_reads_old() -> None:
     """A future version may append fields with defaults: today's decoder ignores them,
     and a message without today's trailing defaults still decodes."""
     newer = msgspec.msgpack.encode(["get", 9, "key", "a field from the future", 42])
-    assert proto.request_decoder.decode(newer) == proto.GetValue(9, "key")
+    assert proto.decode_request(newer) == proto.GetValue(9, "key")
     older = msgspec.msgpack.encode(["put", 3, "key"])
-    assert proto.request_decoder.decode(older) == proto.PutValue(3, "key", b"", None)
+    assert proto.decode_request(older) == proto.PutValue(3, "key", b"", None)
 
 
 def test_unknown_type_and_garbage_are_told_apart() -> None:
     unknown = msgspec.msgpack.encode(["frobnicate", 77, "x"])
-    with pytest.raises(msgspec.ValidationError) as exc:
-        proto.request_decoder.decode(unknown)
-    err = proto.error_for(exc.value, unknown)
+    with pytest.raises(proto.MalformedMessage) as exc:
+        proto.decode_request(unknown)
+    err = exc.value.reply
     assert (err.code, err.rid) == (proto.ErrorCode.UNKNOWN_MESSAGE, 77)
 
     garbage = b"\xc1\xff\x00 not msgpack"
-    with pytest.raises(msgspec.DecodeError) as exc2:
-        proto.request_decoder.decode(garbage)
-    err = proto.error_for(exc2.value, garbage)
+    with pytest.raises(proto.MalformedMessage) as exc2:
+        proto.decode_request(garbage)
+    err = exc2.value.reply
     assert (err.code, err.rid) == (proto.ErrorCode.BAD_MESSAGE, 0)
 
     bad_utf8 = b"\x93\xa3get\x07\xa2\xff\xfe"  # ["get", 7, <invalid UTF-8 str>]
-    with pytest.raises(ValueError) as exc4:
-        proto.request_decoder.decode(bad_utf8)
-    err = proto.error_for(exc4.value, bad_utf8)
+    with pytest.raises(proto.MalformedMessage) as exc4:
+        proto.decode_request(bad_utf8)
+    err = exc4.value.reply
     assert err.code == proto.ErrorCode.BAD_MESSAGE
 
     wrong_field = msgspec.msgpack.encode(["get", 5, 12345])  # key must be a str
-    with pytest.raises(msgspec.ValidationError) as exc3:
-        proto.request_decoder.decode(wrong_field)
-    err = proto.error_for(exc3.value, wrong_field)
+    with pytest.raises(proto.MalformedMessage) as exc3:
+        proto.decode_request(wrong_field)
+    err = exc3.value.reply
     assert (err.code, err.rid) == (proto.ErrorCode.BAD_MESSAGE, 5)
 
 

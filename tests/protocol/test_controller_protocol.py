@@ -54,31 +54,31 @@ REPLIES = [
 def test_old_register_and_worker_info_read_with_empty_lookup_endpoint() -> None:
     # What a version-1 worker without a lookup endpoint sends: 8 fields, not 9.
     old = msgspec.msgpack.encode(["register", 1, "i", 0, 1, [], "", 1.0])
-    assert proto.request_decoder.decode(old).lookup_endpoint == ""
+    assert proto.decode_request(old).lookup_endpoint == ""
 
 
 @pytest.mark.parametrize("msg", REQUESTS, ids=lambda m: m.__struct_config__.tag)
 def test_requests_round_trip(msg) -> None:
-    assert proto.request_decoder.decode(proto.encoder.encode(msg)) == msg
+    assert proto.decode_request(proto.encode(msg)) == msg
 
 
 @pytest.mark.parametrize(
     "msg", [*REPLIES, proto.Resync(0, "a/0", "gap"), proto.Command(3, "e", "clear")]
 )
 def test_worker_inbound_round_trips(msg) -> None:
-    assert proto.worker_decoder.decode(proto.encoder.encode(msg)) == msg
+    assert proto.decode_reply(proto.encode(msg)) == msg
 
 
-def test_error_for_tells_unknown_from_malformed() -> None:
+def test_decode_tells_unknown_from_malformed() -> None:
     unknown = msgspec.msgpack.encode(["bogus", 42, "x"])
-    with pytest.raises(msgspec.DecodeError) as exc:
-        proto.request_decoder.decode(unknown)
-    err = proto.error_for(exc.value, unknown)
+    with pytest.raises(proto.MalformedMessage) as exc:
+        proto.decode_request(unknown)
+    err = exc.value.reply
     assert (err.code, err.rid) == (ErrorCode.UNKNOWN_MESSAGE, 42)
-    truncated = proto.encoder.encode(REQUESTS[1])[:-3]
-    with pytest.raises(msgspec.DecodeError) as exc:
-        proto.request_decoder.decode(truncated)
-    assert proto.error_for(exc.value, truncated).code == ErrorCode.BAD_MESSAGE
+    truncated = proto.encode(REQUESTS[1])[:-3]
+    with pytest.raises(proto.MalformedMessage) as exc:
+        proto.decode_request(truncated)
+    assert exc.value.reply.code == ErrorCode.BAD_MESSAGE
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ async def _raw(url: str, frames: list[bytes], deadline_s: float = 3.0) -> proto.
         await sock.send_multipart(frames)
         async with asyncio.timeout(deadline_s):
             raw = await sock.recv()
-        return proto.reply_decoder.decode(raw)
+        return proto.decode_reply(raw)
     finally:
         sock.close(0)
         ctx.term()
@@ -105,12 +105,12 @@ async def _raw(url: str, frames: list[bytes], deadline_s: float = 3.0) -> proto.
 
 BAD_INPUTS = {
     "garbage": ([b"\x00\xff\xfe not msgpack"], ErrorCode.BAD_MESSAGE),
-    "truncated": ([proto.encoder.encode(REQUESTS[1])[:-4]], ErrorCode.BAD_MESSAGE),
+    "truncated": ([proto.encode(REQUESTS[1])[:-4]], ErrorCode.BAD_MESSAGE),
     "unknown": ([msgspec.msgpack.encode(["bogus", 77])], ErrorCode.UNKNOWN_MESSAGE),
     "wrong_types": ([msgspec.msgpack.encode(["heartbeat", 5, 3, "x"])], ErrorCode.BAD_MESSAGE),
-    "wrong_version": ([proto.encoder.encode(proto.Hello(6, 999))], ErrorCode.VERSION_MISMATCH),
-    "no_hello": ([proto.encoder.encode(proto.ListWorkers(8))], ErrorCode.NO_HELLO),
-    "two_frames": ([proto.encoder.encode(proto.ListWorkers(9)), b"extra"], ErrorCode.BAD_MESSAGE),
+    "wrong_version": ([proto.encode(proto.Hello(6, 999))], ErrorCode.VERSION_MISMATCH),
+    "no_hello": ([proto.encode(proto.ListWorkers(8))], ErrorCode.NO_HELLO),
+    "two_frames": ([proto.encode(proto.ListWorkers(9)), b"extra"], ErrorCode.BAD_MESSAGE),
 }
 
 
@@ -129,9 +129,7 @@ def test_bad_input_gets_error_replies_and_others_are_served(controller) -> None:
                 )
                 assert listed.workers == []
             assert (
-                await _raw(
-                    controller.url, [proto.encoder.encode(proto.Move(13, "e", [], "a", "b"))]
-                )
+                await _raw(controller.url, [proto.encode(proto.Move(13, "e", [], "a", "b"))])
             ).code == ErrorCode.NO_HELLO
         finally:
             await good.close()
