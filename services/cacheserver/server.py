@@ -5,10 +5,9 @@ Listeners:
 - optionally LMCache's `lm://` protocol on `lm_port` (lm_listener.py);
 - optionally HTTP on `metrics_port`: `/metrics` and `/healthz` (http.py).
 
-One reader callback on the event loop drains the ROUTER socket, decodes each header
-with one reused decoder and dispatches through the handler table (handlers.py); memory
-operations are answered inline, a get that reads the spill runs as a task. Plain ZMQ
-sockets read from the loop's selector, not zmq.asyncio: no future or task per message.
+The ROUTER is served from the event loop's selector (common/transport/router_loop.py),
+which hands each decoded header to the handler table (handlers.py): memory operations
+are answered inline, a get that reads the spill runs as a task.
 
 Anything malformed gets an `ErrorReply` and a metric, never a crash: bytes that are
 not ZMTP cost only their own connection (ZMQ drops it, or reads them as ZMTP 1.0
@@ -26,8 +25,6 @@ again). A hello is refused with TOO_MANY_CONNECTIONS while either count is at
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +36,7 @@ from kvmesh.common.config import CacheServerConfig
 from kvmesh.common.observability import Metrics, get_logger
 from kvmesh.common.protocol import cacheserver as proto
 from kvmesh.common.protocol.cacheserver import ErrorCode
+from kvmesh.common.transport.router_loop import Answer, RouterLoop
 from kvmesh.services.cacheserver.handlers import Handlers, RequestError
 from kvmesh.services.cacheserver.http import HttpEndpoint
 from kvmesh.services.cacheserver.lm_listener import LmListener
@@ -49,7 +47,6 @@ from kvmesh.services.cacheserver.store import MemoryStore
 log = get_logger(__name__)
 
 MAX_INFLIGHT_TASKS = 256
-DRAIN_BATCH = 256
 GAUGE_PERIOD_S = 1.0
 
 
@@ -88,10 +85,8 @@ class CacheServer:
         self.sessions: dict[bytes, _Session] = {}
         self.zmq_connections = 0
         self._ctx = zmq.Context()
-        self._sock: zmq.Socket | None = None
-        self._monitor: zmq.Socket | None = None
+        self.router = RouterLoop(self._ctx, proto.codec, self._dispatch, self.stats)
         self._tasks: list[asyncio.Task] = []
-        self._inflight: set[asyncio.Task] = set()
         self._stopped = asyncio.Event()
         self._closed = asyncio.Event()
         self.lm: LmListener | None = None
@@ -102,26 +97,17 @@ class CacheServer:
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 100_000)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
-        # A frame over this closes the sender's connection: values are bounded by
-        # max_value_size, headers (up to MAX_BATCH keys) by a few MiB.
-        sock.setsockopt(zmq.MAXMSGSIZE, int(cfg.max_value_size) + (8 << 20))
-        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-        endpoint = f"tcp://{_zmq_host(cfg.host)}"
-        if cfg.port:
-            sock.bind(f"{endpoint}:{cfg.port}")
-            self.port = cfg.port
-        else:
-            self.port = sock.bind_to_random_port(endpoint)
-        self._sock = sock
+        self.port = self.router.start(
+            cfg.host,
+            cfg.port,
+            # Values are bounded by max_value_size, headers (up to MAX_BATCH keys) by a
+            # few MiB.
+            max_message_bytes=int(cfg.max_value_size) + (8 << 20),
+            monitor_events=zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED,
+        )
+        assert self.router.monitor is not None
         loop = asyncio.get_running_loop()
-        loop.add_reader(sock.getsockopt(zmq.FD), self._on_readable)
-        loop.add_reader(self._monitor.getsockopt(zmq.FD), self._on_monitor)
-        loop.call_soon(self._on_readable)
+        loop.add_reader(self.router.monitor.getsockopt(zmq.FD), self._on_monitor)
         loop.call_soon(self._on_monitor)
         self._tasks = [asyncio.create_task(self._housekeeping(), name="cacheserver-housekeeping")]
         if cfg.lm_enabled:
@@ -140,7 +126,7 @@ class CacheServer:
         )
 
     async def stop(self) -> None:
-        """Stop serving: cancel tasks, then close sockets, then the context."""
+        """Stop serving: close the sockets, cancel tasks, then end the context."""
         if self._stopped.is_set():
             return
         self._stopped.set()
@@ -148,21 +134,13 @@ class CacheServer:
             await self.lm.stop()
         if self.http is not None:
             await self.http.stop()
-        loop = asyncio.get_running_loop()
-        sock, monitor = self._sock, self._monitor
-        self._sock = self._monitor = None
-        for s in (sock, monitor):
-            if s is not None:
-                loop.remove_reader(s.getsockopt(zmq.FD))
-        tasks = [*self._tasks, *self._inflight]
+        if self.router.monitor is not None:
+            asyncio.get_running_loop().remove_reader(self.router.monitor.getsockopt(zmq.FD))
+        self.router.close()
+        tasks = [*self._tasks, *self.router.inflight]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if sock is not None:
-            sock.disable_monitor()
-            sock.close(linger=0)
-        if monitor is not None:
-            monitor.close(linger=0)
         self._ctx.term()
         if self.store.spill is not None:
             self.store.spill.close()
@@ -186,83 +164,43 @@ class CacheServer:
             "protocol_version": proto.PROTOCOL_VERSION,
         }
 
-    # -- the ROUTER loop ----------------------------------------------------------------
-    def _on_readable(self) -> None:
-        """Serve what the socket holds (ZMQ's FD is edge-triggered, so drain it), at most
-        DRAIN_BATCH messages per turn so timers and other callbacks still run."""
-        sock = self._sock
-        if sock is None:
-            return
-        for _ in range(DRAIN_BATCH):
-            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                return
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            if len(frames) < 2:
-                continue  # nothing to answer to
-            try:
-                self._dispatch(frames)
-            except Exception:  # a bug must not stop serving everyone else
-                log.exception("request dispatch failed")
-                self.stats.errors[ErrorCode.INTERNAL].inc()
-        asyncio.get_running_loop().call_soon(self._on_readable)
-
-    def _dispatch(self, frames: list) -> None:
-        peer = frames[0].bytes
-        header, values = frames[1], frames[2:]
-        try:
-            msg = proto.decode_request(header.buffer)
-        except proto.MalformedMessage as exc:
-            self._count("invalid", ErrorCode(exc.reply.code))
-            self._reply(peer, exc.reply, [])
-            return
+    # -- requests -----------------------------------------------------------------------
+    def _dispatch(self, peer: bytes, msg: Any, values: list) -> None:
         now = time.monotonic()
         if isinstance(msg, proto.Hello):
-            self._reply(peer, self._hello(peer, msg, now), [])
+            self.router.send(peer, self._hello(peer, msg, now))
             return
         session = self.sessions.get(peer)
         if session is None:
             self.stats.errors[ErrorCode.NO_HELLO].inc()
-            self._reply(peer, self._error(msg, ErrorCode.NO_HELLO, "say hello first"), [])
+            self.router.send(peer, self._error(msg, ErrorCode.NO_HELLO, "say hello first"))
             return
         session.last_seen = now
         handler = self.handlers.table.get(type(msg))
         if handler is None:  # a request type this server decodes but does not serve
             self.stats.errors[ErrorCode.UNKNOWN_MESSAGE].inc()
-            self._reply(peer, self._error(msg, ErrorCode.UNKNOWN_MESSAGE, "not served here"), [])
+            self.router.send(peer, self._error(msg, ErrorCode.UNKNOWN_MESSAGE, "not served here"))
             return
         op = msg.__struct_config__.tag
-        if len(self._inflight) < MAX_INFLIGHT_TASKS and self.handlers.suspends(msg):
+        if len(self.router.inflight) < MAX_INFLIGHT_TASKS and self.handlers.suspends(msg):
             # Over the cap, a get is answered from memory alone (a miss is always safe).
-            task = asyncio.get_running_loop().create_task(
-                self._handle_async(peer, self.handlers.async_table[type(msg)], msg, values, now)
-            )
-            self._inflight.add(task)
-            task.add_done_callback(self._inflight.discard)
+            handle = self.handlers.async_table[type(msg)]
+            self.router.spawn(peer, msg, self._handle_async, handle, msg, values, now)
             return
         try:
             reply, out = handler(msg, values)
         except RequestError as exc:
             reply, out = self._refused(msg, exc)
         self._served(op, now)
-        self._reply(peer, reply, out)
+        self.router.send(peer, reply, out)
 
-    async def _handle_async(
-        self, peer: bytes, handler: Any, msg: Any, values: list, t0: float
-    ) -> None:
+    async def _handle_async(self, handler: Any, msg: Any, values: list, t0: float) -> Answer:
         try:
-            reply, out = await handler(msg, values)
+            return await handler(msg, values)
         except RequestError as exc:
-            reply, out = self._refused(msg, exc)
-        except Exception as exc:  # a bug: answer, log, keep serving
-            log.exception("handler failed", op=msg.__struct_config__.tag)
-            reply, out = self._error(msg, ErrorCode.INTERNAL, repr(exc)[:300]), []
-            self.stats.errors[ErrorCode.INTERNAL].inc()
-        self._served(msg.__struct_config__.tag, t0)
-        self._reply(peer, reply, out)
-        self._on_readable()  # the send may have swallowed the FD's edge
+            return self._refused(msg, exc)
+        finally:
+            self._served(msg.__struct_config__.tag, t0)
 
     def _refused(self, msg: Any, exc: RequestError) -> tuple[proto.ErrorReply, list]:
         self.stats.errors[exc.code].inc()
@@ -302,23 +240,9 @@ class CacheServer:
     def _error(self, msg: Any, code: ErrorCode, message: str) -> proto.ErrorReply:
         return proto.ErrorReply(getattr(msg, "rid", 0), int(code), message, code in proto.RETRYABLE)
 
-    def _count(self, op: str, code: ErrorCode) -> None:
-        self.stats.requests[op].inc()
-        self.stats.errors[code].inc()
-
-    def _reply(self, peer: bytes, reply: Any, values: list) -> None:
-        sock = self._sock
-        if sock is None:
-            return
-        try:
-            # ROUTER never blocks: a message for a gone (or far behind) peer is dropped.
-            sock.send_multipart([peer, proto.encode(reply), *values], zmq.NOBLOCK, copy=False)
-        except zmq.ZMQError as exc:
-            log.debug("reply not sent", error=str(exc))
-
     # -- background ---------------------------------------------------------------------
     def _on_monitor(self) -> None:
-        monitor = self._monitor
+        monitor = self.router.monitor
         if monitor is None:
             return
         while monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
@@ -352,12 +276,3 @@ class CacheServer:
 
     def _evicted(self, key: str, spilled: bool) -> None:
         self.stats.evicted_to["spill" if spilled else "drop"].inc()
-
-
-def _zmq_host(host: str) -> str:
-    """ZMQ wants an interface or an address: resolve a host name once."""
-    if host in ("", "0.0.0.0", "*"):
-        return "*"
-    with contextlib.suppress(OSError):
-        return socket.gethostbyname(host)
-    return host

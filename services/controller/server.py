@@ -5,11 +5,11 @@ Listeners:
   admin clients (KV events travel on it too: see that module for why);
 - optionally HTTP (`http_port`): the JSON admin API, `/metrics`, `/health` (http.py).
 
-One reader callback on the event loop drains the ROUTER socket, decodes each message
-with one reused decoder and dispatches through the handler table (handlers.py); admin
-commands, which wait on workers, run as tasks. Plain ZMQ sockets read from the loop's
-selector, as in the cache-server: no future or task per message, which is what lets
-one core ingest hundreds of thousands of KV events a second.
+The ROUTER is served from the event loop's selector, as in the cache-server
+(common/transport/router_loop.py: no future or task per message, which is what lets
+one core ingest hundreds of thousands of KV events a second); each decoded message goes
+through the handler table (handlers.py), and admin commands, which wait on workers,
+run as tasks.
 
 Housekeeping drops workers silent for `heartbeat_misses` of their heartbeat periods
 and writes the registry snapshot every `snapshot_interval_s` (and on stop); a
@@ -20,10 +20,8 @@ workers re-register and send their full state (or are dropped for silence).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,7 @@ from kvmesh.common.config import ControllerConfig
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import controller as proto
 from kvmesh.common.protocol.controller import ErrorCode
+from kvmesh.common.transport.router_loop import Answer, RouterLoop
 from kvmesh.services.controller.admin import AdminFanout
 from kvmesh.services.controller.handlers import Handlers
 from kvmesh.services.controller.http import AdminHttp
@@ -43,7 +42,6 @@ from kvmesh.services.controller.stats import ControllerStats
 
 log = get_logger(__name__)
 
-DRAIN_BATCH = 256
 HOUSEKEEPING_S = 0.1
 SESSION_IDLE_S = 600.0
 MAX_INFLIGHT_TASKS = 256
@@ -66,9 +64,8 @@ class ControllerServer:
         self.sessions: dict[bytes, float] = {}
         self.started = time.monotonic()
         self._ctx = zmq.Context()
-        self._sock: zmq.Socket | None = None
+        self.router = RouterLoop(self._ctx, proto.codec, self._dispatch, self.stats)
         self._tasks: list[asyncio.Task] = []
-        self._inflight: set[asyncio.Task] = set()
         self._stopped = asyncio.Event()
         self._closed = asyncio.Event()
         self.http: AdminHttp | None = None
@@ -85,22 +82,7 @@ class ControllerServer:
                     self.restored_workers = self.registry.load(data)
             except (msgspec.DecodeError, ValueError) as exc:
                 log.error("snapshot unreadable, starting empty", error=str(exc))
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 100_000)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-        endpoint = f"tcp://{_zmq_host(cfg.host)}"
-        if cfg.port:
-            sock.bind(f"{endpoint}:{cfg.port}")
-            self.port = cfg.port
-        else:
-            self.port = sock.bind_to_random_port(endpoint)
-        self._sock = sock
-        loop = asyncio.get_running_loop()
-        loop.add_reader(sock.getsockopt(zmq.FD), self._on_readable)
-        loop.call_soon(self._on_readable)
+        self.port = self.router.start(cfg.host, cfg.port, max_message_bytes=MAX_MESSAGE_BYTES)
         self._tasks = [asyncio.create_task(self._housekeeping(), name="controller-housekeeping")]
         http_port = cfg.http_port or cfg.metrics_port
         if http_port:
@@ -122,16 +104,13 @@ class ControllerServer:
         self._stopped.set()
         if self.http is not None:
             await self.http.stop()
-        tasks = [*self._tasks, *self._inflight]
+        tasks = [*self._tasks, *self.router.inflight]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.config.snapshot_path:
             await self.save_snapshot()
-        sock, self._sock = self._sock, None
-        if sock is not None:
-            asyncio.get_running_loop().remove_reader(sock.getsockopt(zmq.FD))
-            sock.close(linger=0)
+        self.router.close()
         self._ctx.term()
         log.info("controller stopped")
         self._closed.set()
@@ -148,40 +127,11 @@ class ControllerServer:
             "protocol_version": proto.PROTOCOL_VERSION,
         }
 
-    # -- the ROUTER loop ----------------------------------------------------------------
-    def _on_readable(self) -> None:
-        """Serve what the socket holds (ZMQ's FD is edge-triggered, so drain it), at most
-        DRAIN_BATCH messages per turn so timers and other callbacks still run."""
-        sock = self._sock
-        if sock is None:
-            return
-        for _ in range(DRAIN_BATCH):
-            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                return
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            if len(frames) < 2:
-                continue  # nothing to answer to
-            try:
-                self._dispatch(frames[0].bytes, frames[1].buffer, len(frames))
-            except Exception:  # a bug must not stop serving everyone else
-                log.exception("dispatch failed")
-                self.stats.errors[ErrorCode.INTERNAL].inc()
-        asyncio.get_running_loop().call_soon(self._on_readable)
-
-    def _dispatch(self, peer: bytes, raw: memoryview, nframes: int) -> None:
-        try:
-            msg = proto.decode_request(raw)
-        except proto.MalformedMessage as exc:
-            self.stats.requests["invalid"].inc()
-            self.stats.errors[ErrorCode(exc.reply.code)].inc()
-            self.push(peer, exc.reply)
-            return
+    # -- requests -----------------------------------------------------------------------
+    def _dispatch(self, peer: bytes, msg: Any, values: list) -> None:
         op = msg.__struct_config__.tag
         self.stats.requests[op].inc()
-        if nframes != 2:
+        if values:
             self.push(peer, proto.error_reply(msg.rid, ErrorCode.BAD_MESSAGE, "one frame expected"))
             return
         if isinstance(msg, proto.Hello):
@@ -198,24 +148,14 @@ class ControllerServer:
             if reply is not None:
                 self.push(peer, reply)
             return
-        if len(self._inflight) >= MAX_INFLIGHT_TASKS:
+        if len(self.router.inflight) >= MAX_INFLIGHT_TASKS:
             self.push(peer, proto.error_reply(msg.rid, ErrorCode.SHUTTING_DOWN, "busy, retry"))
             return
-        task = asyncio.get_running_loop().create_task(
-            self._handle_async(peer, self.handlers.async_table[type(msg)], msg)
-        )
-        self._inflight.add(task)
-        task.add_done_callback(self._inflight.discard)
+        handle = self.handlers.async_table[type(msg)]
+        self.router.spawn(peer, msg, self._handle_async, handle, peer, msg)
 
-    async def _handle_async(self, peer: bytes, handler: Any, msg: Any) -> None:
-        try:
-            reply = await handler(peer, msg)
-        except Exception as exc:  # a bug: answer, log, keep serving
-            log.exception("handler failed", op=msg.__struct_config__.tag)
-            self.stats.errors[ErrorCode.INTERNAL].inc()
-            reply = proto.error_reply(msg.rid, ErrorCode.INTERNAL, repr(exc))
-        self.push(peer, reply)
-        self._on_readable()  # the send may have swallowed the FD's edge
+    async def _handle_async(self, handler: Any, peer: bytes, msg: Any) -> Answer:
+        return await handler(peer, msg), ()
 
     def _hello(self, peer: bytes, msg: proto.Hello) -> Any:
         if msg.version != proto.PROTOCOL_VERSION:
@@ -231,16 +171,7 @@ class ControllerServer:
 
     def push(self, peer: bytes, msg: Any) -> bool:
         """Send one message to a peer; False when it could not go out."""
-        sock = self._sock
-        if sock is None:
-            return False
-        try:
-            # ROUTER never blocks: a message for a gone (or far behind) peer is dropped.
-            sock.send_multipart([peer, proto.encode(msg)], zmq.NOBLOCK, copy=False)
-            return True
-        except zmq.ZMQError as exc:
-            log.debug("message not sent", error=str(exc))
-            return False
+        return self.router.send(peer, msg)
 
     # -- background ---------------------------------------------------------------------
     async def _housekeeping(self) -> None:
@@ -308,12 +239,3 @@ def _write_atomic(path: str, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def _zmq_host(host: str) -> str:
-    """ZMQ wants an interface or an address: resolve a host name once."""
-    if host in ("", "0.0.0.0", "*"):
-        return "*"
-    with contextlib.suppress(OSError):
-        return socket.gethostbyname(host)
-    return host

@@ -1,0 +1,188 @@
+"""A ZMQ ROUTER served from the event loop's selector: receive, decode, dispatch, and
+an error reply for whatever does not decode.
+
+Plain ZMQ sockets read from the loop's selector rather than zmq.asyncio: no future or
+task per message, which is what lets one core serve hundreds of thousands of messages
+a second (the cache-server and the controller).
+
+Nothing a client sends stops the loop: a header that does not decode gets the
+protocol's ErrorReply and counts as op "invalid"; an exception from a dispatch or a
+spawned handler is logged and counted as INTERNAL (a spawned one is also answered),
+and serving goes on. A message of fewer than two frames has no routing id and header
+to answer to and is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import zmq
+
+from kvmesh.common.observability import get_logger
+from kvmesh.common.protocol.wire import Codec, MalformedMessage
+
+log = get_logger(__name__)
+
+DRAIN_BATCH = 256
+HWM = 100_000
+
+# A spawned handler's answer: the reply and the value frames that follow it.
+Answer = tuple[Any, Sequence[Any]]
+
+
+class _Counter(Protocol):
+    def inc(self, amount: float = 1) -> None: ...
+
+
+class RouterStats(Protocol):
+    """What the loop counts in: requests by op, error replies by the protocol's code."""
+
+    requests: Mapping[str, _Counter]
+    errors: Mapping[Any, _Counter]
+
+
+class RouterLoop:
+    """One ROUTER socket, served on the running loop from `start()` to `close()`.
+
+    `dispatch(peer, msg, values)` is called, on the loop, with each request whose header
+    decoded and the frames that followed it; it answers with `send`, or hands slow work
+    to `spawn`.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        codec: Codec,
+        dispatch: Callable[[bytes, Any, list[zmq.Frame]], None],
+        stats: RouterStats,
+    ) -> None:
+        self.codec = codec
+        self.port = 0
+        self.monitor: zmq.Socket | None = None
+        self.inflight: set[asyncio.Task] = set()
+        self._ctx = ctx
+        self._dispatch = dispatch
+        self._stats = stats
+        self._sock: zmq.Socket | None = None
+
+    def start(
+        self, host: str, port: int, *, max_message_bytes: int, monitor_events: int = 0
+    ) -> int:
+        """Bind host:port (port 0: any free one) and serve; returns the port.
+
+        A frame over max_message_bytes closes its sender's connection (ZMQ's
+        MAXMSGSIZE). With monitor_events, `monitor` receives those socket events; it
+        is set up before the bind, so it sees every connection.
+        """
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, HWM)
+        sock.setsockopt(zmq.RCVHWM, HWM)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        if monitor_events:
+            self.monitor = sock.get_monitor_socket(monitor_events)
+        endpoint = f"tcp://{_zmq_host(host)}"
+        if port:
+            sock.bind(f"{endpoint}:{port}")
+            self.port = port
+        else:
+            self.port = sock.bind_to_random_port(endpoint)
+        self._sock = sock
+        loop = asyncio.get_running_loop()
+        loop.add_reader(sock.getsockopt(zmq.FD), self._on_readable)
+        loop.call_soon(self._on_readable)
+        return self.port
+
+    def close(self) -> None:
+        """Stop reading and close the socket and its monitor; later sends are dropped.
+        Whoever reads the monitor stops reading it first."""
+        sock, monitor = self._sock, self.monitor
+        self._sock = self.monitor = None
+        if sock is not None:
+            asyncio.get_running_loop().remove_reader(sock.getsockopt(zmq.FD))
+            if monitor is not None:
+                sock.disable_monitor()
+            sock.close(linger=0)
+        if monitor is not None:
+            monitor.close(linger=0)
+
+    def send(self, peer: bytes, msg: Any, values: Sequence[Any] = ()) -> bool:
+        """Send one message and its value frames to a peer; False when it could not go out."""
+        sock = self._sock
+        if sock is None:
+            return False
+        try:
+            # ROUTER never blocks: a message for a gone (or far behind) peer is dropped.
+            sock.send_multipart([peer, self.codec.encode(msg), *values], zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.ZMQError as exc:
+            log.debug("message not sent", error=str(exc))
+            return False
+
+    def spawn(
+        self, peer: bytes, msg: Any, handler: Callable[..., Awaitable[Answer]], *args: Any
+    ) -> None:
+        """Answer msg with what `handler(*args)` returns, from a task (in `inflight`)."""
+        task = asyncio.get_running_loop().create_task(self._answer(peer, msg, handler, args))
+        self.inflight.add(task)
+        task.add_done_callback(self.inflight.discard)
+
+    async def _answer(
+        self, peer: bytes, msg: Any, handler: Callable[..., Awaitable[Answer]], args: tuple
+    ) -> None:
+        try:
+            reply, values = await handler(*args)
+        except Exception as exc:  # a bug: answer, log, keep serving
+            log.exception("handler failed", op=msg.__struct_config__.tag)
+            internal = self.codec.codes.INTERNAL
+            self._stats.errors[internal].inc()
+            reply, values = self.codec.error_reply(msg.rid, internal, repr(exc)), ()
+        self.send(peer, reply, values)
+        self._on_readable()  # the send may have swallowed the FD's edge
+
+    def _on_readable(self) -> None:
+        """Serve what the socket holds (ZMQ's FD is edge-triggered, so drain it), at most
+        DRAIN_BATCH messages per turn so timers and other callbacks still run."""
+        sock = self._sock
+        if sock is None:
+            return
+        for _ in range(DRAIN_BATCH):
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if len(frames) < 2:
+                continue  # nothing to answer to
+            try:
+                self._receive(frames)
+            except Exception:  # a bug must not stop serving everyone else
+                log.exception("request dispatch failed")
+                self._stats.errors[self.codec.codes.INTERNAL].inc()
+        asyncio.get_running_loop().call_soon(self._on_readable)
+
+    def _receive(self, frames: list[zmq.Frame]) -> None:
+        peer = frames[0].bytes
+        try:
+            msg = self.codec.decode_request(frames[1].buffer)
+        except MalformedMessage as exc:
+            self._stats.requests["invalid"].inc()
+            self._stats.errors[self.codec.codes(exc.reply.code)].inc()
+            self.send(peer, exc.reply)
+            return
+        self._dispatch(peer, msg, frames[2:])
+
+
+def _zmq_host(host: str) -> str:
+    """ZMQ wants an interface or an address: resolve a host name once."""
+    if host in ("", "0.0.0.0", "*"):
+        return "*"
+    with contextlib.suppress(OSError):
+        return socket.gethostbyname(host)
+    return host
