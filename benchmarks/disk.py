@@ -55,17 +55,18 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 import torch  # noqa: E402
 
+from kvmesh.common.chunk_codec import (  # noqa: E402
+    FILE_LAYOUT,
+    ChunkHeader,
+    chunk_bytes,
+    payload_checksum,
+)
 from kvmesh.common.keys import KeyNamespace  # noqa: E402
 from kvmesh.common.memory import HostMemoryPool, MemoryFormat  # noqa: E402
 from kvmesh.common.observability import configure_logging  # noqa: E402
 from kvmesh.services.worker.tiers.disk import DiskTier  # noqa: E402
-from kvmesh.services.worker.tiers.disk_format import (  # noqa: E402
-    ChunkHeader,
-    chunk_file_name,
-    pack_header,
-    payload_checksum,
-)
-from kvmesh.services.worker.tiers.disk_io import obj_view, open_file, read_all, write_all  # noqa: E402
+from kvmesh.services.worker.tiers.disk_format import chunk_file_name  # noqa: E402
+from kvmesh.services.worker.tiers.disk_io import open_file, read_all, write_all  # noqa: E402
 
 MiB = 1 << 20
 CHUNKS = {"2MiB": 2 * MiB, "32MiB": 32 * MiB}
@@ -170,7 +171,7 @@ class Case:
                 os.path.join(path, f"{i}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, self.direct
             )
             try:
-                write_all(fd, [obj_view(self.objs[i])])
+                write_all(fd, [chunk_bytes(self.objs[i])])
             finally:
                 os.close(fd)
 
@@ -192,7 +193,7 @@ class Case:
         def read(i: int) -> None:
             fd, _ = open_file(os.path.join(path, f"{i}.bin"), os.O_RDONLY, self.direct)
             try:
-                assert read_all(fd, [obj_view(bufs[i])]) == self.nbytes
+                assert read_all(fd, [chunk_bytes(bufs[i])]) == self.nbytes
             finally:
                 os.close(fd)
 
@@ -265,10 +266,16 @@ def make_files(path: str, n: int) -> None:
     for i in range(n):
         k = key(i)
         header = ChunkHeader(
-            k, (REINDEX_PAYLOAD,), torch.uint8, MemoryFormat.BINARY, len(payload), checksum, now
+            k,
+            (REINDEX_PAYLOAD,),
+            torch.uint8,
+            MemoryFormat.BINARY,
+            len(payload),
+            checksum,
+            written_ns=now,
         )
         with open(os.path.join(path, chunk_file_name(k)), "wb") as f:
-            f.write(pack_header(header) + payload)  # type: ignore[operator]
+            f.write(FILE_LAYOUT.pack(header) + payload)
 
 
 def drop_kernel_caches() -> None:

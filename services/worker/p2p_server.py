@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any
 import zmq
 import zmq.asyncio
 
+from kvmesh.common.chunk_codec import chunk_bytes, dtype_name, payload_checksum
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import MemoryObj
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import p2p as proto
 from kvmesh.common.transport.channel import TransferChannel
-from kvmesh.services.worker.tiers.disk_format import dtype_name, payload_checksum
 
 if TYPE_CHECKING:
     from kvmesh.services.worker.engine import KVEngine
@@ -265,7 +265,7 @@ class _BadKey(ValueError):
 
 
 def _checksum(obj: MemoryObj) -> int:
-    return payload_checksum(memoryview(obj.raw.numpy()))
+    return payload_checksum(chunk_bytes(obj))
 
 
 def _meta(key: ChunkKey, obj: MemoryObj, addr: int = 0) -> proto.ChunkMeta:

@@ -1,8 +1,9 @@
 """L3: chunks in one local directory, one self-describing file per chunk.
 
-- **Format** (disk_format.py): a 4 KiB header (magic, version, full key, shape, dtype,
-  memory format, payload length, xxh3 of the payload and of the header), then the
-  payload. Files are named by the key's hash, never by a user string.
+- **Format** (disk_format.py; the header is common/chunk_codec.py's `FILE_LAYOUT`):
+  a 4 KiB header (magic, version, full key, shape, dtype, memory format, payload
+  length, xxh3 of the payload and of the header), then the payload. Files are named
+  by the key's hash, never by a user string.
 - **Writes** go to a temporary name and are renamed into place, so a crash never
   leaves a half-written file under a real name; O_DIRECT when buffer and length are
   aligned (disk_io.py). `submit_put` never blocks: it takes a reference on the source
@@ -52,6 +53,15 @@ from pathlib import Path
 
 import torch
 
+from kvmesh.common.chunk_codec import (
+    FILE_LAYOUT,
+    ChunkHeader,
+    CorruptChunk,
+    check_key,
+    check_payload,
+    chunk_bytes,
+    describe,
+)
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import MemoryFormat, MemoryObj
 from kvmesh.common.observability import Metrics, get_logger
@@ -59,17 +69,11 @@ from kvmesh.common.policy import make_policy
 from kvmesh.services.worker.tiers.base import Allocator
 from kvmesh.services.worker.tiers.disk_executor import Priority, PriorityExecutor
 from kvmesh.services.worker.tiers.disk_format import (
-    HEADER_SIZE,
-    ChunkHeader,
-    HeaderError,
     chunk_file_name,
     key_of_file_name,
-    pack_header,
-    parse_header,
-    payload_checksum,
     temp_file_name,
 )
-from kvmesh.services.worker.tiers.disk_io import header_buffer, obj_view, read_file, write_file
+from kvmesh.services.worker.tiers.disk_io import header_buffer, read_file, write_file
 from kvmesh.services.worker.tiers.disk_scan import LOCK_FILE, ScannedFile, check_file, list_dir
 from kvmesh.services.worker.tiers.disk_stats import DiskStats
 
@@ -97,7 +101,7 @@ class _Entry:
 
     @property
     def nbytes(self) -> int:
-        return self.size - HEADER_SIZE
+        return self.size - FILE_LAYOUT.size
 
 
 class DiskTier:
@@ -373,7 +377,8 @@ class DiskTier:
     # -- put --------------------------------------------------------------------------------
     def submit_put(self, key: ChunkKey, obj: MemoryObj) -> None:
         """Queue a copy of obj to disk; never blocks and never raises for I/O."""
-        size = HEADER_SIZE + obj.nbytes
+        size = FILE_LAYOUT.size + obj.nbytes
+        fmt = MemoryFormat(obj.fmt)
         probe = False
         with self._lock:
             if self._closed:
@@ -395,7 +400,6 @@ class DiskTier:
                 result = ""
                 if self._degraded is not None:
                     self._probing = probe = True
-                fmt = obj.fmt if isinstance(obj.fmt, MemoryFormat) else MemoryFormat.UNDEFINED
                 entry = _Entry(_State.WRITING, size, tuple(obj.shape), obj.dtype, fmt)
                 self._index[key] = entry
                 self._used += size
@@ -434,19 +438,13 @@ class DiskTier:
             try:
                 if probe:
                     self._acquire_dir()
-                payload = obj_view(obj)
-                header = ChunkHeader(
-                    key,
-                    tuple(obj.shape),
-                    obj.dtype,
-                    entry.fmt,
-                    obj.nbytes,
-                    payload_checksum(payload),
-                    time.time_ns(),
-                )
+                header = describe(key, obj, obj.checksum, written_ns=time.time_ns())
+                # Kept on the object, so a peer or another tier that needs it later
+                # does not hash the same bytes again.
+                obj.checksum = header.checksum
                 hdr = header_buffer()
-                pack_header(header, hdr)
-                write_file(tmp, [hdr, payload], self.o_direct)
+                FILE_LAYOUT.pack_into(header, hdr)
+                write_file(tmp, [hdr, chunk_bytes(obj)], self.o_direct)
             finally:
                 obj.ref_down()  # the source buffer is free once the bytes are out
             os.rename(tmp, final)
@@ -616,7 +614,7 @@ class DiskTier:
         t0 = time.perf_counter()
         hdr = header_buffer()
         try:
-            payload = obj_view(obj)
+            payload = chunk_bytes(obj)
             n = read_file(self._file(key), [hdr, payload], self.o_direct)
         except OSError as exc:
             obj.ref_down()
@@ -625,15 +623,16 @@ class DiskTier:
             self._read_failed(key, entry, exc)
             return None
         try:
-            problem = self._verify(key, entry, hdr, payload, n)
+            header = self._verify(key, entry, hdr, payload, n)
+        except CorruptChunk as exc:
+            obj.ref_down()
+            self._corrupt(key, entry, str(exc))
+            return None
         except BaseException:
             obj.ref_down()
             raise
-        if problem is not None:
-            obj.ref_down()
-            self._corrupt(key, entry, problem)
-            return None
         obj.key = key
+        obj.checksum = header.checksum
         self.stats.io_seconds["read"].observe(time.perf_counter() - t0)
         self.stats.bytes_read.inc(n)
         self.stats.gets["hit"].inc()
@@ -641,25 +640,25 @@ class DiskTier:
 
     def _verify(
         self, key: ChunkKey, entry: _Entry, hdr: memoryview, payload: memoryview, n: int
-    ) -> str | None:
+    ) -> ChunkHeader:
+        """The file's header once it and the payload pass every check; CorruptChunk
+        saying which failed otherwise."""
         if n != entry.size:
-            return f"file holds {n} bytes, expected {entry.size}"
+            raise CorruptChunk(f"file holds {n} bytes, expected {entry.size}")
         try:
-            header = parse_header(hdr)
-        except HeaderError as exc:
-            return f"bad header: {exc}"
-        if header.key != key:
-            return "header names another key"
-        if (header.shape, header.dtype, header.fmt, header.payload_len) != (
+            header = FILE_LAYOUT.parse(hdr)
+        except CorruptChunk as exc:
+            raise CorruptChunk(f"bad header: {exc}") from None
+        check_key(header, key)
+        if (header.shape, header.dtype, header.fmt, header.nbytes) != (
             entry.shape,
             entry.dtype,
             entry.fmt,
             entry.nbytes,
         ):
-            return "header does not match the index (shape, dtype, format or length)"
-        if payload_checksum(payload) != header.checksum:
-            return "payload checksum mismatch"
-        return None
+            raise CorruptChunk("header does not match the index (shape, dtype, format or length)")
+        check_payload(header, payload)
+        return header
 
     def _corrupt(self, key: ChunkKey, entry: _Entry, problem: str) -> None:
         self.stats.corrupt.inc()

@@ -19,8 +19,7 @@ import mmap
 import os
 import threading
 
-from kvmesh.common.memory import MemoryObj
-from kvmesh.services.worker.tiers.disk_format import HEADER_SIZE
+from kvmesh.common.chunk_codec import FILE_LAYOUT
 
 BLOCK = 4096
 O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -30,21 +29,11 @@ def aligned(ptr: int, length: int) -> bool:
     return ptr % BLOCK == 0 and length % BLOCK == 0
 
 
-def view_at(ptr: int, length: int) -> memoryview:
-    """A writable byte view of length bytes at address ptr (no copy)."""
-    return memoryview((ctypes.c_char * length).from_address(ptr)).cast("B")
-
-
-def obj_view(obj: MemoryObj) -> memoryview:
-    """The object's nbytes as a writable byte view; valid while a reference is held."""
-    return view_at(obj.data_ptr, obj.nbytes)
-
-
 class _Buffers(threading.local):
     """One BLOCK-aligned header buffer per thread (an anonymous mmap is page aligned)."""
 
     def __init__(self) -> None:
-        self.mm = mmap.mmap(-1, HEADER_SIZE)
+        self.mm = mmap.mmap(-1, FILE_LAYOUT.size)
         self.view = memoryview(self.mm)
 
 
@@ -52,7 +41,7 @@ _buffers = _Buffers()
 
 
 def header_buffer() -> memoryview:
-    """This thread's aligned HEADER_SIZE scratch buffer."""
+    """This thread's aligned scratch buffer for a chunk file's header."""
     return _buffers.view
 
 

@@ -20,15 +20,14 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvmesh.services.worker.tiers.disk_format import (
-    HEADER_SIZE,
+from kvmesh.common.chunk_codec import (
+    FILE_LAYOUT,
     ChunkHeader,
-    HeaderError,
-    is_temp_file_name,
-    key_of_file_name,
-    parse_header,
-    payload_checksum,
+    CorruptChunk,
+    check_key,
+    check_payload,
 )
+from kvmesh.services.worker.tiers.disk_format import is_temp_file_name, key_of_file_name
 
 LOCK_FILE = ".lock"
 
@@ -98,21 +97,25 @@ def check_file(
     except OSError as exc:
         return ScannedFile(name, size, mtime_ns, None, f"unreadable: {exc.strerror}")
     try:
-        raw = os.pread(fd, HEADER_SIZE, 0)
+        raw = os.pread(fd, FILE_LAYOUT.size, 0)
         size = os.fstat(fd).st_size
         try:
-            header = parse_header(raw)
-        except HeaderError as exc:
+            header = FILE_LAYOUT.parse(raw)
+        except CorruptChunk as exc:
             return ScannedFile(name, size, mtime_ns, None, f"bad header: {exc}")
+        file_key = key_of_file_name(name)
         problem = None
-        if key_of_file_name(name) != header.key:
-            problem = "header names another key than the file name"
-        elif size != header.file_size:
-            problem = f"size {size} != header + payload {header.file_size}"
-        elif verify_payload:
-            payload = os.pread(fd, header.payload_len, HEADER_SIZE)
-            if len(payload) != header.payload_len or payload_checksum(payload) != header.checksum:
-                problem = "payload checksum mismatch"
+        try:
+            if file_key is None:
+                raise CorruptChunk(f"{name!r} is not a chunk file name")
+            check_key(header, file_key)
+            expected = FILE_LAYOUT.total_size(header)
+            if size != expected:
+                raise CorruptChunk(f"size {size} != header + payload {expected}")
+            if verify_payload:
+                check_payload(header, os.pread(fd, header.nbytes, FILE_LAYOUT.size))
+        except CorruptChunk as exc:
+            problem = str(exc)
         return ScannedFile(name, size, mtime_ns, header, problem)
     except OSError as exc:
         return ScannedFile(name, size, mtime_ns, None, f"unreadable: {exc.strerror}")

@@ -22,6 +22,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from kvmesh.common.chunk_codec import chunk_bytes, dtype_from_name, payload_checksum
 from kvmesh.common.config import P2PConfig
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import MemoryFormat, MemoryObj
@@ -31,7 +32,6 @@ from kvmesh.common.transport.channel import Landed, PeerError, TransferChannel
 from kvmesh.services.worker.loop_thread import LoopThread
 from kvmesh.services.worker.peer_locator import PeerLocator
 from kvmesh.services.worker.tiers.base import Allocator
-from kvmesh.services.worker.tiers.disk_format import dtype_from_name, payload_checksum
 from kvmesh.services.worker.tiers.p2p_stats import P2PStats
 
 log = get_logger(__name__)
@@ -180,10 +180,7 @@ class P2PTier:
         the rest are dropped (counted as corrupt)."""
 
         def check(meta: ChunkMeta, obj: MemoryObj) -> bool:
-            return (
-                obj.nbytes == meta.nbytes
-                and payload_checksum(memoryview(obj.raw.numpy())) == meta.checksum
-            )
+            return obj.nbytes == meta.nbytes and payload_checksum(chunk_bytes(obj)) == meta.checksum
 
         # The checksum of a big chunk takes milliseconds without the GIL: off the loop,
         # one thread per chunk so several cores share the work.

@@ -1,12 +1,13 @@
 """L4: a remote store shared by many workers, behind one connector chosen by URL.
 
 - **Puts** (`submit_put`) never block: the tier takes a reference on the chunk, and a
-  task on the engine's loop encodes it (remote_codec.py: header with key, shape,
-  dtype, format and checksum; optional zstd/lz4 when it shrinks the bytes, run off the
-  loop) and sends it, then drops the reference once the connector no longer reads the
-  buffer. A key already known to be there, or already on its way, is not sent again;
-  at `max_pending_puts` in flight, or while the remote is down, puts are dropped and
-  counted.
+  task on the engine's loop encodes it (remote_codec.py: common/chunk_codec.py's
+  value header with key, shape, dtype, format and checksum; optional zstd/lz4 when it
+  shrinks the bytes; a checksum the chunk already carries is reused, else it is
+  computed off the loop for large chunks) and sends it, then drops the reference once
+  the connector no longer reads the buffer. A key already known to be there, or
+  already on its way, is not sent again; at `max_pending_puts` in flight, or while the
+  remote is down, puts are dropped and counted.
 - **Gets** (`aget`, on the engine's loop) have a deadline (`timeout_s`); the value is
   verified while it is copied into an L1 buffer. Timeouts, errors and failed checks
   are misses.
@@ -29,6 +30,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from kvmesh.common.chunk_codec import CODECS, Codec, CorruptChunk
 from kvmesh.common.config import RemoteConfig
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import MemoryObj
@@ -36,9 +38,6 @@ from kvmesh.common.observability import Metrics, get_logger
 from kvmesh.services.worker.loop_thread import LoopThread
 from kvmesh.services.worker.tiers.base import Allocator
 from kvmesh.services.worker.tiers.remote_codec import (
-    CODECS,
-    Codec,
-    CorruptValue,
     available,
     decode_off_loop,
     decode_or_none,
@@ -211,12 +210,16 @@ class RemoteTier:
             if not self._check_connection():
                 stats.puts["down"].inc()
                 return
-            if self._codec is Codec.NONE and obj.nbytes < OFFLOAD_FROM:
-                header, packed, payload = encode(key, obj)
+            known = obj.checksum
+            if self._codec is Codec.NONE and (known is not None or obj.nbytes < OFFLOAD_FROM):
+                header, packed, payload = encode(key, obj, checksum=known)
             else:  # checksum (and compression) of a large chunk: off the loop
                 header, packed, payload = await asyncio.to_thread(
-                    encode, key, obj, self._codec, self.config.compression_min_saving
+                    encode, key, obj, self._codec, self.config.compression_min_saving, known
                 )
+            # Kept on the object, so a peer or another tier that needs it later does
+            # not hash the same bytes again.
+            obj.checksum = header.checksum
             async with asyncio.timeout(self.config.timeout_s):
                 await self.connector.put(key, header, packed, payload)
         except Exception as exc:  # any failure is a dropped put, never the caller's problem
@@ -227,8 +230,8 @@ class RemoteTier:
             self.health.success()
             self.presence.set(key, True)
             stats.puts["written"].inc()
-            stats.sent.inc(header.stored_len)
-            stats.raw_sent.inc(header.raw_len)
+            stats.sent.inc(header.stored_nbytes)
+            stats.raw_sent.inc(header.nbytes)
             stats.seconds["put"].observe(time.perf_counter() - t0)
         finally:
             obj.ref_down()
@@ -252,11 +255,11 @@ class RemoteTier:
             # reach the caller (a cancelled thread would leak it).
             if fetched is None:
                 obj = None
-            elif fetched.header.raw_len >= OFFLOAD_FROM or fetched.header.codec:
+            elif fetched.header.nbytes >= OFFLOAD_FROM or fetched.header.codec:
                 obj = await decode_off_loop(key, fetched.header, fetched.payload, allocator)
             else:
                 obj = decode_or_none(key, fetched.header, fetched.payload, allocator)
-        except CorruptValue as exc:
+        except CorruptChunk as exc:
             gets["corrupt"].inc()
             log.warning("remote value failed its checks; dropped", key=key.to_str(), error=str(exc))
             self.presence.set(key, False)
@@ -276,7 +279,7 @@ class RemoteTier:
             return None
         self.presence.set(key, True)
         gets["hit"].inc()
-        self.stats.received.inc(fetched.header.stored_len)
+        self.stats.received.inc(fetched.header.stored_nbytes)
         self.stats.seconds["get"].observe(time.perf_counter() - t0)
         return obj
 

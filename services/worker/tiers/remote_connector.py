@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+from kvmesh.common.chunk_codec import ChunkHeader
 from kvmesh.common.keys import ChunkKey
-from kvmesh.services.worker.tiers.remote_codec import ValueHeader
 
 SCHEMES = ("kvmesh", "redis", "rediss", "redis-cluster", "fs")
 
@@ -29,7 +29,7 @@ class Fetched:
     """A value read back: its parsed header and its payload (still to be verified).
     `keepalive` holds whatever owns the payload's memory (e.g. a ZMQ frame)."""
 
-    header: ValueHeader
+    header: ChunkHeader
     payload: memoryview | bytes
     keepalive: Any = None
 
@@ -50,7 +50,7 @@ class Connector(Protocol):
 
     async def ping(self) -> None: ...
 
-    async def put(self, key: ChunkKey, header: ValueHeader, packed: bytes, payload: Any) -> None:
+    async def put(self, key: ChunkKey, header: ChunkHeader, packed: bytes, payload: Any) -> None:
         """Store the value; returns once the payload's memory is no longer needed."""
         ...
 

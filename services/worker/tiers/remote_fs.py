@@ -1,10 +1,11 @@
 """`fs:///path`: a filesystem every worker mounts (NFS, CephFS, Lustre...).
 
-Files use the disk tier's format (disk_format.py: a 4 KiB self-describing header with
-the key, shape, dtype, format and checksums, then the raw chunk), laid out the same
-way: `<path>/<namespace id>/<ns id>-<hash>.kv`. Writes go to a hidden temporary name
-and are renamed into place, so readers on other hosts never see half a file. Values
-are never compressed here (the format has no codec field).
+Files use the disk tier's format (disk_format.py: common/chunk_codec.py's
+`FILE_LAYOUT`, a 4 KiB self-describing header with the key, shape, dtype, format and
+checksums, then the raw chunk), laid out the same way:
+`<path>/<namespace id>/<ns id>-<hash>.kv`. Writes go to a hidden temporary name and
+are renamed into place, so readers on other hosts never see half a file. Values are
+never compressed here (the format has no codec field).
 
 Nothing here evicts: bound the directory with the filesystem's quota or a periodic
 cleaner (oldest access first). All I/O runs on a small thread pool, so a slow mount
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import os
 import shutil
 import time
@@ -24,17 +26,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvmesh.common.chunk_codec import FILE_LAYOUT, ChunkHeader, CorruptChunk
 from kvmesh.common.keys import ChunkKey
-from kvmesh.services.worker.tiers.disk_format import (
-    HEADER_SIZE,
-    ChunkHeader,
-    HeaderError,
-    chunk_file_name,
-    pack_header,
-    parse_header,
-    temp_file_name,
-)
-from kvmesh.services.worker.tiers.remote_codec import Codec, CorruptValue, ValueHeader
+from kvmesh.services.worker.tiers.disk_format import chunk_file_name, temp_file_name
 from kvmesh.services.worker.tiers.remote_connector import Fetched
 
 IO_THREADS = 4
@@ -82,27 +76,18 @@ class FsConnector:
     async def ping(self) -> None:
         await self._io(self._check_root)
 
-    async def put(self, key: ChunkKey, header: ValueHeader, packed: bytes, payload: Any) -> None:
-        if header.codec is not Codec.NONE:
-            raise ValueError("fs:// stores chunks uncompressed")
-        await self._io(self._write, key, header, payload)
+    async def put(self, key: ChunkKey, header: ChunkHeader, packed: bytes, payload: Any) -> None:
+        # Packed here, not in the thread: a compressed header fails before any I/O.
+        raw_header = FILE_LAYOUT.pack(dataclasses.replace(header, written_ns=time.time_ns()))
+        await self._io(self._write, key, raw_header, payload)
 
-    def _write(self, key: ChunkKey, header: ValueHeader, payload: Any) -> None:
-        disk_header = ChunkHeader(
-            key,
-            header.shape,
-            header.dtype,
-            header.fmt,
-            header.raw_len,
-            header.checksum,
-            time.time_ns(),
-        )
+    def _write(self, key: ChunkKey, raw_header: bytes, payload: Any) -> None:
         final = self._path(key)
         final.parent.mkdir(exist_ok=True)
         tmp = final.parent / temp_file_name(key, self._run)
         try:
             with open(tmp, "wb") as f:
-                f.write(pack_header(disk_header))  # type: ignore[arg-type]
+                f.write(raw_header)
                 f.write(payload)
             os.replace(tmp, final)
         except BaseException:
@@ -114,16 +99,12 @@ class FsConnector:
         data = await self._io(self._read, key)
         if data is None:
             return None
-        try:
-            h = parse_header(data)
-        except HeaderError as exc:
-            raise CorruptValue(str(exc)) from None
-        if len(data) != h.file_size:
-            raise CorruptValue(f"file of {len(data)} bytes, header says {h.file_size}")
-        header = ValueHeader(
-            h.key, h.shape, h.dtype, h.fmt, Codec.NONE, h.payload_len, h.payload_len, h.checksum
-        )
-        return Fetched(header, memoryview(data)[HEADER_SIZE:], data)
+        header = FILE_LAYOUT.parse(data)
+        if len(data) != FILE_LAYOUT.total_size(header):
+            raise CorruptChunk(
+                f"file of {len(data)} bytes, header says {FILE_LAYOUT.total_size(header)}"
+            )
+        return Fetched(header, memoryview(data)[FILE_LAYOUT.size :], data)
 
     def _read(self, key: ChunkKey) -> bytes | None:
         try:

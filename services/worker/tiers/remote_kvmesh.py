@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvmesh.common.chunk_codec import VALUE_LAYOUT, ChunkHeader
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.transport.cacheserver_client import CacheServerClient
-from kvmesh.services.worker.tiers.remote_codec import ValueHeader, parse_header
 from kvmesh.services.worker.tiers.remote_connector import Fetched, host_ports
 
 DEFAULT_PORT = 7620
@@ -61,14 +61,14 @@ class KvmeshConnector:
     async def ping(self) -> None:
         await self._client().health()
 
-    async def put(self, key: ChunkKey, header: ValueHeader, packed: bytes, payload: Any) -> None:
+    async def put(self, key: ChunkKey, header: ChunkHeader, packed: bytes, payload: Any) -> None:
         await self._client().put(self._name(key), payload, packed)
 
     async def get(self, key: ChunkKey) -> Fetched | None:
         value = await self._client().get(self._name(key))
         if value is None:
             return None
-        return Fetched(parse_header(value.meta), value.data, value)
+        return Fetched(VALUE_LAYOUT.parse(value.meta), value.data, value)
 
     async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
         return await self._client().exists_many([self._name(k) for k in keys])

@@ -1,9 +1,9 @@
 """`redis://`, `rediss://` and `redis-cluster://`: Redis through redis-py's asyncio clients.
 
-A value is one Redis string: the 144-byte chunk header, then the payload. Keys are
-`key_prefix + ChunkKey.to_str()`; in a cluster they spread over slots by their hash (no
-hash tags), and a batch of EXISTS goes out as one pipeline per node (single-key commands
-only, so no command ever spans two slots).
+A value is one Redis string: the 144-byte chunk header (`VALUE_LAYOUT`), then the
+payload. Keys are `key_prefix + ChunkKey.to_str()`; in a cluster they spread over slots
+by their hash (no hash tags), and a batch of EXISTS goes out as one pipeline per node
+(single-key commands only, so no command ever spans two slots).
 
 redis-py's own retries are turned off (the tier's deadline and health monitor decide
 what a failure means), and any error in the middle of a reply drops that connection
@@ -23,8 +23,8 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from kvmesh.common.chunk_codec import VALUE_LAYOUT, ChunkHeader
 from kvmesh.common.keys import ChunkKey
-from kvmesh.services.worker.tiers.remote_codec import HEADER_SIZE, ValueHeader, parse_header
 from kvmesh.services.worker.tiers.remote_connector import Fetched, host_ports, redact
 
 DEFAULT_PORT = 6379
@@ -92,7 +92,7 @@ class RedisConnector:
     async def ping(self) -> None:
         await self._client().ping()
 
-    async def put(self, key: ChunkKey, header: ValueHeader, packed: bytes, payload: Any) -> None:
+    async def put(self, key: ChunkKey, header: ChunkHeader, packed: bytes, payload: Any) -> None:
         await self._client().set(self._name(key), b"".join((packed, payload)))
 
     async def get(self, key: ChunkKey) -> Fetched | None:
@@ -100,7 +100,8 @@ class RedisConnector:
         if data is None:
             return None
         view = memoryview(data)
-        return Fetched(parse_header(view[:HEADER_SIZE]), view[HEADER_SIZE:], data)
+        size = VALUE_LAYOUT.size
+        return Fetched(VALUE_LAYOUT.parse(view[:size]), view[size:], data)
 
     async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
         pipe = self._client().pipeline()

@@ -10,11 +10,13 @@ import pytest
 from click.testing import CliRunner
 from kvtest.disk import MiB, key_of, make_chunk
 
+from kvmesh.common.chunk_codec import FILE_LAYOUT
 from kvmesh.common.memory import HostMemoryPool
 from kvmesh.services.cli.main import cli
 from kvmesh.services.worker.tiers.disk import DiskTier
-from kvmesh.services.worker.tiers.disk_format import HEADER_SIZE, chunk_file_name, temp_file_name
+from kvmesh.services.worker.tiers.disk_format import chunk_file_name, temp_file_name
 
+HEADER_SIZE = FILE_LAYOUT.size
 SIZE = 64 * 1024
 FILE = HEADER_SIZE + SIZE
 

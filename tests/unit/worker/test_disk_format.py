@@ -1,5 +1,6 @@
-"""The disk tier's building blocks: the chunk file header, aligned I/O, the priority
-executor, and the directory scan shared by the re-index and `kvmesh disk scan`."""
+"""The disk tier's building blocks: chunk file names, aligned I/O, the priority
+executor, and the directory scan shared by the re-index and `kvmesh disk scan`. (The
+chunk file header is common/chunk_codec.py's FILE_LAYOUT: test_chunk_codec.py.)"""
 
 from __future__ import annotations
 
@@ -12,73 +13,22 @@ import pytest
 import torch
 from kvtest.disk import key_of
 
+from kvmesh.common.chunk_codec import FILE_LAYOUT, ChunkHeader, chunk_bytes, payload_checksum
 from kvmesh.common.memory import HostMemoryPool, MemoryFormat
 from kvmesh.services.worker.tiers import disk_io
 from kvmesh.services.worker.tiers.disk_executor import Priority, PriorityExecutor
 from kvmesh.services.worker.tiers.disk_format import (
-    HEADER_SIZE,
-    HEADER_USED,
-    ChunkHeader,
-    HeaderError,
     chunk_file_name,
     is_temp_file_name,
     key_of_file_name,
-    pack_header,
-    parse_header,
-    payload_checksum,
     temp_file_name,
 )
 from kvmesh.services.worker.tiers.disk_scan import check_file, list_dir, plan_eviction
 
-
-def header(**kw) -> ChunkHeader:
-    fields = {
-        "key": key_of(7),
-        "shape": (2, 3, 256, 128),
-        "dtype": torch.bfloat16,
-        "fmt": MemoryFormat.KV_2LTD,
-        "payload_len": 2 * 3 * 256 * 128 * 2,
-        "checksum": 0x0123456789ABCDEF,
-        "written_ns": 1_700_000_000_000_000_000,
-    }
-    fields.update(kw)
-    return ChunkHeader(**fields)
+HEADER_SIZE = FILE_LAYOUT.size
 
 
-# --- header ---------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.uint8])
-def test_header_round_trips(dtype: torch.dtype) -> None:
-    h = header(dtype=dtype, payload_len=2 * 3 * 256 * 128 * dtype.itemsize)
-    raw = pack_header(h)
-    assert raw is not None and len(raw) == HEADER_SIZE
-    assert raw[HEADER_USED:] == bytes(HEADER_SIZE - HEADER_USED)
-    assert parse_header(raw) == h
-    buf = bytearray(b"\xff" * HEADER_SIZE)
-    pack_header(h, buf)
-    assert bytes(buf) == raw  # in place, tail zeroed
-
-
-def test_every_flipped_header_byte_is_caught() -> None:
-    raw = pack_header(header())
-    assert raw is not None
-    for i in range(HEADER_USED):
-        bad = bytearray(raw)
-        bad[i] ^= 0x01
-        with pytest.raises(HeaderError):
-            parse_header(bytes(bad))
-
-
-def test_header_rejects_inconsistent_fields() -> None:
-    with pytest.raises(HeaderError, match="payload length"):
-        parse_header(pack_header(header(payload_len=12)))  # checksummed, but wrong
-    with pytest.raises(HeaderError, match="magic"):
-        parse_header(b"\0" * HEADER_SIZE)
-    with pytest.raises(HeaderError, match="too short"):
-        parse_header(b"KVMESHL3")
-    with pytest.raises(ValueError, match="dimensions"):
-        pack_header(header(shape=(1,) * 9, payload_len=2))
+# --- file names ---------------------------------------------------------------------------
 
 
 def test_file_names_come_from_the_key_only() -> None:
@@ -92,22 +42,6 @@ def test_file_names_come_from_the_key_only() -> None:
     tmp = temp_file_name(key, "run1")
     assert is_temp_file_name(tmp) and key_of_file_name(tmp) is None
     assert not is_temp_file_name(name)
-
-
-@pytest.mark.parametrize("native", [True, False], ids=["ctypes-nogil", "module-pieces"])
-def test_checksum_equals_xxh3_64(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    import xxhash
-
-    from kvmesh.services.worker.tiers import disk_format
-
-    if native:
-        assert disk_format._xxh3_nogil is not None  # found in this environment
-    else:
-        monkeypatch.setattr(disk_format, "_xxh3_nogil", None)
-    data = os.urandom(3 * (1 << 20) + 123)
-    writable = memoryview(bytearray(data))
-    for piece in (data, data[:100], b"", writable, writable[5:], writable[:0]):
-        assert payload_checksum(piece) == xxhash.xxh3_64_intdigest(piece)
 
 
 # --- aligned I/O ----------------------------------------------------------------------------
@@ -124,12 +58,12 @@ def test_write_then_read_file(tmp_path: Path, direct: bool, nbytes: int) -> None
         hdr = disk_io.header_buffer()
         hdr[:] = b"h" * HEADER_SIZE
         path = str(tmp_path / "f")
-        used = disk_io.write_file(path, [hdr, disk_io.obj_view(src)], direct)
+        used = disk_io.write_file(path, [hdr, chunk_bytes(src)], direct)
         # O_DIRECT only when asked and everything is aligned (tmpfs/ext4 support it).
         assert used == (direct and nbytes % 4096 == 0)
         assert os.path.getsize(path) == HEADER_SIZE + nbytes
         hdr[:] = b"\0" * HEADER_SIZE
-        n = disk_io.read_file(path, [hdr, disk_io.obj_view(dst)], direct)
+        n = disk_io.read_file(path, [hdr, chunk_bytes(dst)], direct)
         assert n == HEADER_SIZE + nbytes
         assert bytes(hdr) == b"h" * HEADER_SIZE
         assert torch.equal(src.tensor, dst.tensor)
@@ -200,16 +134,17 @@ def test_executor_results_errors_and_shutdown_cancels() -> None:
 
 def write_chunk(path: Path, i: int, payload: bytes, mtime: int) -> str:
     key = key_of(i)
-    h = header(
-        key=key,
-        shape=(len(payload),),
-        dtype=torch.uint8,
-        fmt=MemoryFormat.BINARY,
-        payload_len=len(payload),
-        checksum=payload_checksum(payload),
+    h = ChunkHeader(
+        key,
+        (len(payload),),
+        torch.uint8,
+        MemoryFormat.BINARY,
+        len(payload),
+        payload_checksum(payload),
+        written_ns=1_700_000_000_000_000_000,
     )
     name = chunk_file_name(key)
-    (path / name).write_bytes(pack_header(h) + payload)
+    (path / name).write_bytes(FILE_LAYOUT.pack(h) + payload)
     os.utime(path / name, ns=(mtime, mtime))
     return name
 

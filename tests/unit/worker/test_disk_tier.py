@@ -16,14 +16,16 @@ import pytest
 import torch
 from kvtest.disk import MiB, chunk_files, expected_bytes, key_of, make_chunk, temp_files
 
+from kvmesh.common.chunk_codec import FILE_LAYOUT
 from kvmesh.common.memory import HostMemoryPool, MemoryFormat
 from kvmesh.common.observability import Metrics
 from kvmesh.services.worker.tiers import disk as disk_mod
 from kvmesh.services.worker.tiers.disk import DiskTier
 from kvmesh.services.worker.tiers.disk_executor import Priority
-from kvmesh.services.worker.tiers.disk_format import HEADER_SIZE, chunk_file_name, temp_file_name
+from kvmesh.services.worker.tiers.disk_format import chunk_file_name, temp_file_name
 from kvmesh.services.worker.tiers.disk_scan import check_file, list_dir, plan_eviction
 
+HEADER_SIZE = FILE_LAYOUT.size
 KiB = 1024
 SIZE = 64 * KiB  # a 4 KiB multiple: O_DIRECT
 ODD = 64 * KiB - 100  # not one: buffered

@@ -11,13 +11,13 @@ import pytest
 import torch
 from kvtest.p2p import FixedLocator
 
+from kvmesh.common.chunk_codec import chunk_bytes, payload_checksum
 from kvmesh.common.config import P2PConfig
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import HostMemoryPool, MemoryFormat
 from kvmesh.common.protocol import p2p as proto
 from kvmesh.common.transport.channel_zmq import ZmqChannel
 from kvmesh.services.worker.loop_thread import LoopThread
-from kvmesh.services.worker.tiers.disk_format import payload_checksum
 from kvmesh.services.worker.tiers.p2p import P2PTier
 
 KEYS = [ChunkKey("0123456789abcdef", bytes([i]) * 16) for i in range(4)]
@@ -78,7 +78,7 @@ def test_landed_chunks_are_checked_key_and_checksum(loop) -> None:
         landed = []
         for i, obj in enumerate(objs):
             obj.tensor.fill_(i + 1)
-            good = payload_checksum(memoryview(obj.raw.numpy()))
+            good = payload_checksum(chunk_bytes(obj))
             key = KEYS[i].to_str()
             if i == 1:
                 good ^= 1  # a flipped bit somewhere: must not verify

@@ -1,21 +1,15 @@
-"""The remote value format: exact round trips, compression only when it pays, and every
-kind of damage caught as CorruptValue (never wrong bytes)."""
+"""The remote value encoding: exact round trips, compression only when it pays, and every
+kind of damage caught as CorruptChunk (never wrong bytes)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kvmesh.common.chunk_codec import VALUE_LAYOUT, Codec, CorruptChunk
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import HostMemoryPool, MemoryFormat
-from kvmesh.services.worker.tiers.remote_codec import (
-    HEADER_SIZE,
-    Codec,
-    CorruptValue,
-    decode_into,
-    encode,
-    parse_header,
-)
+from kvmesh.services.worker.tiers.remote_codec import decode_into, encode
 
 KEY = ChunkKey("0123456789abcdef", bytes(range(16)))
 OTHER = ChunkKey("0123456789abcdef", bytes(16))
@@ -44,11 +38,11 @@ def chunk(pool: HostMemoryPool, compressible: bool = False, dtype=torch.float16)
 def test_round_trip_is_bitwise_exact(pool, codec: Codec, dtype) -> None:
     src = chunk(pool, compressible=True, dtype=dtype)
     header, packed, payload = encode(KEY, src, codec, 0.05)
-    assert len(packed) == HEADER_SIZE
+    assert len(packed) == VALUE_LAYOUT.size
     assert header.codec is codec  # zeros compress well under either codec
     if codec is not Codec.NONE:
         assert len(payload) < src.nbytes / 10
-    parsed = parse_header(packed)
+    parsed = VALUE_LAYOUT.parse(packed)
     assert parsed == header
     dst = decode_into(KEY, parsed, payload, pool)
     assert dst is not None and dst is not src
@@ -62,7 +56,7 @@ def test_round_trip_is_bitwise_exact(pool, codec: Codec, dtype) -> None:
 def test_incompressible_chunks_are_sent_raw_without_a_copy(pool) -> None:
     src = chunk(pool)
     header, _, payload = encode(KEY, src, Codec.ZSTD, 0.05)
-    assert header.codec is Codec.NONE and header.stored_len == src.nbytes
+    assert header.codec is Codec.NONE and header.stored_nbytes == src.nbytes
     assert isinstance(payload, memoryview)  # a view of the L1 page itself
     src.ref_down()
 
@@ -95,8 +89,8 @@ def damaged(pool, how: str):
 def test_damage_is_caught_and_nothing_leaks(pool, how: str) -> None:
     key, packed, payload = damaged(pool, how)
     free_before = pool.free_pages
-    with pytest.raises(CorruptValue):
-        decode_into(key, parse_header(packed), payload, pool)
+    with pytest.raises(CorruptChunk):
+        decode_into(key, VALUE_LAYOUT.parse(packed), payload, pool)
     assert pool.free_pages == free_before, "a buffer of a rejected value leaked"
 
 
@@ -105,7 +99,7 @@ def test_corrupt_compressed_payload_is_caught(pool) -> None:
     header, _, payload = encode(KEY, src, Codec.LZ4, 0.05)
     bad = bytearray(payload)
     bad[len(bad) // 2] ^= 0xFF
-    with pytest.raises(CorruptValue):
+    with pytest.raises(CorruptChunk):
         decode_into(KEY, header, bytes(bad), pool)
     src.ref_down()
 

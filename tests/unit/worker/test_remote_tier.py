@@ -14,13 +14,13 @@ import pytest
 import torch
 from kvtest.paged import bits, make_cache, slot_tokens
 
+from kvmesh.common.chunk_codec import ChunkHeader
 from kvmesh.common.config import EngineConfig, L1Config, RemoteConfig
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import HostMemoryPool, MemoryFormat
 from kvmesh.services.worker.engine import KVEngine
 from kvmesh.services.worker.loop_thread import LoopThread
 from kvmesh.services.worker.tiers.remote import RemoteTier
-from kvmesh.services.worker.tiers.remote_codec import ValueHeader
 from kvmesh.services.worker.tiers.remote_connector import Fetched, host_ports, make_connector
 from kvmesh.services.worker.tiers.remote_presence import PresenceCache
 
@@ -39,7 +39,7 @@ class MemoryConnector:
     display = "mem://"
 
     def __init__(self) -> None:
-        self.values: dict[ChunkKey, tuple[ValueHeader, bytes]] = {}
+        self.values: dict[ChunkKey, tuple[ChunkHeader, bytes]] = {}
         self.dead = False
         self.hang = False
         self.calls: dict[str, int] = {}
@@ -60,7 +60,7 @@ class MemoryConnector:
     async def ping(self) -> None:
         await self._enter("ping")
 
-    async def put(self, key: ChunkKey, header: ValueHeader, packed: bytes, payload: Any) -> None:
+    async def put(self, key: ChunkKey, header: ChunkHeader, packed: bytes, payload: Any) -> None:
         await self._enter("put")
         self.values[key] = (header, bytes(payload))
 
