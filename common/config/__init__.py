@@ -29,6 +29,7 @@ from kvmesh.common.config.schema import (
     LoggingConfig,
     LookupConfig,
     P2PConfig,
+    PDConfig,
     RemoteConfig,
     RuleError,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "LoggingConfig",
     "LookupConfig",
     "P2PConfig",
+    "PDConfig",
     "RemoteConfig",
     "RuleError",
     "Source",

@@ -167,6 +167,22 @@ class P2PConfig(_Section):
     lookup_timeout_s: PositiveSeconds = 0.05
 
 
+class PDConfig(_Section):
+    """Disaggregated prefill: a prefiller (sender) pushes a prompt's KV straight into
+    buffers a decoder (receiver) allocates for it, through the P2P endpoint and channel."""
+
+    # none | sender (prefiller) | receiver (decoder) | both. Any role but none also
+    # keys a prompt's last, partial chunk (the decoder needs every prompt token's KV).
+    role: Literal["none", "sender", "receiver", "both"] = "none"
+    # Receiver: the share of L1 that in-flight receive buffers may take; beyond it an
+    # AllocRequest is refused (a decoder never evicts to make room) and the request
+    # falls back to recompute.
+    max_receive_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
+    # Sender: the deadline of one push (allocation, every layer's write, commit).
+    # Receiver: buffers not committed by the sender's deadline plus this are freed.
+    timeout_s: PositiveSeconds = 10.0
+
+
 class EngineConfig(_Section):
     """The worker engine embedded in each inference worker process."""
 
@@ -180,6 +196,7 @@ class EngineConfig(_Section):
     remote: RemoteConfig = RemoteConfig()
     controller: EngineControllerConfig = EngineControllerConfig()
     p2p: P2PConfig = P2PConfig()
+    pd: PDConfig = PDConfig()
     pin_timeout_s: PositiveSeconds = 30.0
     close_flush_s: NonNegativeSeconds = 10.0
     layerwise: bool = False
@@ -187,6 +204,11 @@ class EngineConfig(_Section):
     # Empty means the default ipc:// path the lookup-server binds on this host.
     lookup_endpoint: str = ""
     metrics_port: Port = 0
+
+    @property
+    def keys_partial_chunk(self) -> bool:
+        """Whether a prompt's last, partial chunk gets a key (is stored and looked up)."""
+        return self.save_unfull_chunk or self.pd.role != "none"
 
 
 class ControllerConfig(_Section):

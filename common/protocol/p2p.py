@@ -17,6 +17,11 @@ Replies are `[header, *payloads]`.
 - Every `ChunkMeta` carries the xxh3-64 of the chunk's bytes: the reader checks it
   after the bytes have landed, and a chunk that does not verify is a miss.
 - `deadline` is a Unix time after which the reader has given up (0: none).
+- Disaggregated prefill (a prefiller writes into a decoder; pd_receiver.py):
+  `AllocChunks` asks for receive buffers (refused with NO_ROOM rather than evicting),
+  the prefiller writes each layer (NIXL WRITE, or `PushChunks` with payload frames over
+  ZMQ), then `CommitChunks` carries each chunk's xxh3 for the receiver to verify;
+  `CancelChunks` frees an allocation at once.
 - Anything else gets `ErrorReply(rid, code, message, retryable)`; decoding raises only
   `MalformedMessage`, which carries the reply to send.
 
@@ -49,6 +54,10 @@ class ErrorCode(IntEnum):
     INTERNAL = 6
     SHUTTING_DOWN = 7
     NO_NIXL = 8  # PinChunks to a peer that does not serve over NIXL
+    NO_ROOM = 9  # AllocChunks beyond the receiver's share of free memory
+    UNKNOWN_TRANSFER = 10  # an allocation that was never made, was cancelled or expired
+    BAD_LAYOUT = 11  # chunks of another shape, dtype or format than the receiver's
+    NOT_RECEIVER = 12  # PD messages to an engine whose pd.role does not receive
 
 
 RETRYABLE = frozenset({ErrorCode.DEADLINE_EXCEEDED, ErrorCode.SHUTTING_DOWN})
@@ -95,7 +104,52 @@ class ReleaseChunks(wire.Message, tag="release"):
     lease: int
 
 
-Request = Hello | ReadChunks | PinChunks | ReleaseChunks
+class AllocChunks(wire.Message, tag="alloc"):
+    """PD: allocate one receive buffer per key (full chunks of chunk_shape; the last
+    holds last_tokens tokens) for a prefiller to write into."""
+
+    rid: int
+    version: int
+    transfer_id: str
+    keys: list[str]
+    chunk_shape: list[int]
+    dtype: str
+    fmt: int
+    last_tokens: int
+    deadline: float = 0.0
+
+
+class PushChunks(wire.Message, tag="push"):
+    """PD over ZMQ: one payload frame per listed chunk index, that chunk's `layer`
+    (its regions concatenated, see common/transport/chunk_regions.py; -1: the whole
+    chunk)."""
+
+    rid: int
+    version: int
+    alloc_id: int
+    layer: int
+    chunks: list[int]
+
+
+class CommitChunks(wire.Message, tag="commit"):
+    """PD: every layer is written; checksums[i] is the xxh3-64 of chunk i."""
+
+    rid: int
+    version: int
+    alloc_id: int
+    checksums: list[int]
+
+
+class CancelChunks(wire.Message, tag="cancel"):
+    rid: int
+    version: int
+    alloc_id: int
+
+
+Request = (
+    Hello | ReadChunks | PinChunks | ReleaseChunks | AllocChunks | PushChunks | CommitChunks
+    | CancelChunks
+)  # fmt: skip
 
 # -- replies -----------------------------------------------------------------------------
 
@@ -132,11 +186,47 @@ class ErrorReply(wire.Message, tag="error"):
     retryable: bool = False
 
 
-Reply = HelloReply | ReadChunksReply | PinChunksReply | ReleaseChunksReply | ErrorReply
+class Slot(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A receive buffer: where to write, or `have` when the receiver holds the chunk
+    already (nothing to write)."""
+
+    addr: int
+    nbytes: int
+    have: bool = False
+
+
+class AllocChunksReply(wire.Message, tag="alloc_r"):
+    rid: int
+    alloc_id: int
+    slots: list[Slot]
+
+
+class PushChunksReply(wire.Message, tag="push_r"):
+    rid: int
+    written: int
+
+
+class CommitChunksReply(wire.Message, tag="commit_r"):
+    rid: int
+    committed: int
+    rejected: int  # chunks whose bytes did not match their checksum: dropped
+
+
+class CancelChunksReply(wire.Message, tag="cancel_r"):
+    rid: int
+    cancelled: bool
+
+
+Reply = (
+    HelloReply | ReadChunksReply | PinChunksReply | ReleaseChunksReply | AllocChunksReply
+    | PushChunksReply | CommitChunksReply | CancelChunksReply | ErrorReply
+)  # fmt: skip
 
 
 def _check_request(msg: Request) -> tuple[ErrorCode, str] | None:
-    if isinstance(msg, ReadChunks | PinChunks):
+    if isinstance(msg, PushChunks) and len(msg.chunks) > MAX_KEYS:
+        return ErrorCode.BAD_MESSAGE, f"more than {MAX_KEYS} chunks"
+    if isinstance(msg, ReadChunks | PinChunks | AllocChunks):
         if len(msg.keys) > MAX_KEYS:
             return ErrorCode.BAD_MESSAGE, f"more than {MAX_KEYS} keys"
         if any(len(k) > MAX_KEY_CHARS for k in msg.keys):
@@ -157,8 +247,21 @@ codec: wire.Codec[Request, Reply, ErrorReply] = wire.Codec(
 MalformedMessage = wire.MalformedMessage
 encode = codec.encode
 error_reply = codec.error_reply
-# The frames that follow the routing id: exactly one.
-decode_request = codec.decode_request_frames
+
+
+def decode_request(frames: Sequence[bytes | memoryview]) -> Request:
+    """The request in the frames that follow the routing id: its header, then (only
+    PushChunks) one payload frame per chunk it lists; MalformedMessage otherwise."""
+    if len(frames) == 1:
+        return codec.decode_request(frames[0])
+    if not frames:
+        raise MalformedMessage(error_reply(0, ErrorCode.BAD_MESSAGE, "expected 1 frame, got 0"))
+    msg = codec.decode_request(frames[0])
+    want = 1 + (len(msg.chunks) if isinstance(msg, PushChunks) else 0)
+    if len(frames) != want:
+        problem = f"expected {want} frame{'s' if want > 1 else ''}, got {len(frames)}"
+        raise MalformedMessage(error_reply(msg.rid, ErrorCode.BAD_MESSAGE, problem))
+    return msg
 
 
 def decode_reply(frames: Sequence[bytes | memoryview]) -> Reply:

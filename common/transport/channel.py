@@ -9,6 +9,9 @@ P2P tier), so a channel never decides what is valid KV.
 - `NixlChannel` (channel_nixl.py): the peer pins the chunks and tells their addresses;
   the reader pulls them with one NIXL READ (UCX; DRAM to DRAM here).
 
+Disaggregated prefill goes the other way: a prefiller `write`s chunk layers into
+buffers a decoder allocated for it (a NIXL WRITE, or PushChunks frames over ZMQ).
+
 `make_channel("auto")` is NIXL when the `nixl_cu13` package imports, else ZMQ.
 """
 
@@ -18,14 +21,25 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kvmesh.common.memory import MemoryObj
-from kvmesh.common.protocol.p2p import ChunkMeta, HelloReply
+from kvmesh.common.protocol.p2p import ChunkMeta, HelloReply, Reply, Request
 from kvmesh.common.transport.peer_conn import PeerError
 
 # Allocate a local buffer for a chunk the peer described; None when there is no room.
 AllocFn = Callable[[ChunkMeta], MemoryObj | None]
 Landed = tuple[ChunkMeta, MemoryObj]
+# A chunk to write to a PD receiver: (its index in the allocation, the local chunk,
+# the address of its receive buffer at the peer).
+Piece = tuple[int, MemoryObj, int]
 
-__all__ = ["AllocFn", "Landed", "PeerError", "TransferChannel", "make_channel", "nixl_available"]
+__all__ = [
+    "AllocFn",
+    "Landed",
+    "PeerError",
+    "Piece",
+    "TransferChannel",
+    "make_channel",
+    "nixl_available",
+]
 
 
 class TransferChannel(Protocol):
@@ -38,6 +52,23 @@ class TransferChannel(Protocol):
         (one reference each for the caller), in the order of keys; keys it lacks are
         left out. Raises PeerError (having freed its buffers) when the peer is dead,
         slow past timeout_s, or answers garbage. Runs on the owner's event loop."""
+        ...
+
+    async def call(self, endpoint: str, make: Callable[[int], Request], timeout_s: float) -> Reply:
+        """One request (built by make from a fresh rid) to the peer, and its reply.
+        Raises PeerError as read does."""
+        ...
+
+    async def write(
+        self,
+        endpoint: str,
+        alloc_id: int,
+        layer: int,
+        pieces: Sequence[Piece],
+        timeout_s: float,
+    ) -> None:
+        """Write layer (-1: all) of each piece's chunk into the receive buffers of a
+        PD allocation at the peer. Raises PeerError when it did not complete."""
         ...
 
     def hello_fields(self) -> tuple[str, bytes]:

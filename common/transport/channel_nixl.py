@@ -24,13 +24,14 @@ import concurrent.futures
 import os
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import p2p as proto
-from kvmesh.common.transport.channel import AllocFn, Landed, check_hello
+from kvmesh.common.transport.channel import AllocFn, Landed, Piece, check_hello
 from kvmesh.common.transport.channel_zmq import ZmqChannel
+from kvmesh.common.transport.chunk_regions import layer_regions
 from kvmesh.common.transport.peer_conn import PeerConnections, PeerError
 
 log = get_logger(__name__)
@@ -97,6 +98,39 @@ class NixlChannel:
             self._agents.pop(endpoint, None)
             raise
 
+    async def call(
+        self, endpoint: str, make: Callable[[int], proto.Request], timeout_s: float
+    ) -> proto.Reply:
+        return await self._zmq.call(endpoint, make, timeout_s)
+
+    async def write(
+        self,
+        endpoint: str,
+        alloc_id: int,
+        layer: int,
+        pieces: Sequence[Piece],
+        timeout_s: float,
+    ) -> None:
+        deadline = time.monotonic() + timeout_s
+        try:
+            peer = await self._peer_agent(endpoint, timeout_s)
+        except PeerError:
+            self._conns.drop(endpoint)
+            self._agents.pop(endpoint, None)
+            raise
+        if not peer:
+            await self._zmq.write(endpoint, alloc_id, layer, pieces, deadline - time.monotonic())
+            return
+        local, remote = [], []
+        for _, obj, addr in pieces:
+            for off, n in layer_regions(obj, layer):
+                local.append((obj.data_ptr + off, n, 0))
+                remote.append((addr + off, n, 0))
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(
+            self._pool, self._transfer, peer, local, remote, deadline, "WRITE"
+        )
+
     async def _read(
         self, endpoint: str, keys: Sequence[str], alloc: AllocFn, timeout_s: float
     ) -> list[Landed]:
@@ -145,12 +179,14 @@ class NixlChannel:
         local: list[tuple[int, int, int]],
         remote: list[tuple[int, int, int]],
         deadline: float,
+        op: str = "READ",
     ) -> None:
-        """One READ of every chunk, polled to completion or the deadline (off-loop)."""
+        """One READ (or WRITE) of every region, polled to completion or the deadline
+        (off-loop)."""
         agent = self.agent
         try:
             handle = agent.initialize_xfer(
-                "READ",
+                op,
                 agent.get_xfer_descs(local, "DRAM"),
                 agent.get_xfer_descs(remote, "DRAM"),
                 peer,
@@ -158,7 +194,7 @@ class NixlChannel:
             )
             state = agent.transfer(handle)
         except Exception as exc:  # NIXL raises its own types (nixlBackendError, ...)
-            raise PeerError(f"NIXL read from {peer} did not start: {exc!r}") from None
+            raise PeerError(f"NIXL {op} with {peer} did not start: {exc!r}") from None
         spins = 0
         while state not in ("DONE", "ERR"):
             if time.monotonic() > deadline:
@@ -174,10 +210,10 @@ class NixlChannel:
             # Still running: the landing buffers may yet be written, so they are
             # never handed back to the pool (a leak, not wrong KV).
             log.error("NIXL transfer could not be released", peer=peer, error=repr(exc))
-            raise _StuckTransfer(f"NIXL read from {peer} stuck: {exc!r}") from None
+            raise _StuckTransfer(f"NIXL {op} with {peer} stuck: {exc!r}") from None
         if state != "DONE":
             what = "failed" if state == "ERR" else "timed out"
-            raise PeerError(f"NIXL read from {peer} {what}")
+            raise PeerError(f"NIXL {op} with {peer} {what}")
 
     async def aclose(self) -> None:
         self._conns.close()

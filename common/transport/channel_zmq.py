@@ -7,12 +7,14 @@ Works between any two hosts that can open a TCP connection; costs a copy on each
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from kvmesh.common.memory import MemoryObj
 from kvmesh.common.protocol import p2p as proto
-from kvmesh.common.transport.channel import AllocFn, Landed
+from kvmesh.common.transport.channel import AllocFn, Landed, Piece
+from kvmesh.common.transport.chunk_regions import layer_regions
 from kvmesh.common.transport.peer_conn import PeerConnections, PeerError
 
 
@@ -55,5 +57,39 @@ class ZmqChannel:
             raise
         return landed
 
+    async def call(
+        self, endpoint: str, make: Callable[[int], proto.Request], timeout_s: float
+    ) -> proto.Reply:
+        conn = self._conns.get(endpoint)
+        return (await conn.request(make(conn.next_rid()), timeout_s))[0]
+
+    async def write(
+        self,
+        endpoint: str,
+        alloc_id: int,
+        layer: int,
+        pieces: Sequence[Piece],
+        timeout_s: float,
+    ) -> None:
+        frames = [_layer_bytes(obj, layer) for _, obj, _ in pieces]
+        conn = self._conns.get(endpoint)
+        msg = proto.PushChunks(
+            conn.next_rid(), proto.PROTOCOL_VERSION, alloc_id, layer, [i for i, _, _ in pieces]
+        )
+        reply, _ = await conn.request(msg, timeout_s, frames)
+        if not isinstance(reply, proto.PushChunksReply):
+            self._conns.drop(endpoint)
+            raise PeerError(f"unexpected reply to push: {type(reply).__name__}")
+
     async def aclose(self) -> None:
         self._conns.close()
+
+
+def _layer_bytes(obj: MemoryObj, layer: int) -> np.ndarray:
+    """A layer's regions of obj as one buffer (a view when it is one region)."""
+    raw = obj.raw.numpy()
+    regions = layer_regions(obj, layer)
+    if len(regions) == 1:
+        off, n = regions[0]
+        return raw[off : off + n]
+    return np.concatenate([raw[off : off + n] for off, n in regions])

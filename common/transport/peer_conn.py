@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+from collections.abc import Sequence
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -41,9 +43,10 @@ class PeerConnection:
         return next(self._rids)
 
     async def request(
-        self, msg: proto.Request, timeout_s: float
+        self, msg: proto.Request, timeout_s: float, payloads: Sequence[Any] = ()
     ) -> tuple[proto.Reply, list[zmq.Frame]]:
-        """Send msg (its rid from `next_rid`) and wait for the reply with that rid.
+        """Send msg (its rid from `next_rid`) and any payload frames, and wait for the
+        reply with that rid.
 
         Raises PeerError on timeout, an error reply, or a broken connection.
         """
@@ -55,7 +58,10 @@ class PeerConnection:
         self._pending[msg.rid] = fut
         try:
             async with asyncio.timeout(timeout_s):
-                await self._sock.send(proto.encode(msg))
+                if payloads:
+                    await self._sock.send_multipart([proto.encode(msg), *payloads], copy=False)
+                else:
+                    await self._sock.send(proto.encode(msg))
                 reply, payloads = await fut
         except TimeoutError:
             self._break(PeerError(f"{self.endpoint} did not answer within {timeout_s:.3f}s"))

@@ -22,13 +22,16 @@ from kvmesh.common.keys import ChunkKey, KeyNamespace
 from kvmesh.common.memory import HostMemoryPool, MemoryFormat, MemoryObj
 from kvmesh.common.observability import get_logger
 from kvmesh.common.tokendb import ChunkedTokenDatabase
-from kvmesh.common.transport.channel import make_channel
+from kvmesh.common.transport.channel import TransferChannel, make_channel
 from kvmesh.gpu_ext import make_copier
 from kvmesh.services.worker import layerwise
 from kvmesh.services.worker.events import KVEventBuffer, KVEventKind
 from kvmesh.services.worker.loop_thread import LoopThread
 from kvmesh.services.worker.mla import MLABroadcast
 from kvmesh.services.worker.p2p_server import attach_p2p_server
+from kvmesh.services.worker.pd_receiver import PIN_PREFIX as PD_HOLD_PREFIX
+from kvmesh.services.worker.pd_receiver import PdReceiver
+from kvmesh.services.worker.pd_sender import PdSender
 from kvmesh.services.worker.peer_locator import PeerLocator
 from kvmesh.services.worker.pins import LookupPins
 from kvmesh.services.worker.stats import EngineStats
@@ -91,7 +94,7 @@ class KVEngine:
         self.tokendb = ChunkedTokenDatabase(
             self.namespace,
             chunk_size=config.chunk_size,
-            save_unfull_chunk=config.save_unfull_chunk,
+            save_unfull_chunk=config.keys_partial_chunk,
             hash_algorithm=config.hash_algorithm,
         )
         self.tenants = TenantDatabases(self.tokendb)
@@ -114,6 +117,7 @@ class KVEngine:
         with_disk = config.disk.enabled and not (self.is_mla and rank != 0)
         with_remote = config.remote.enabled and not (self.is_mla and rank != 0)
         with_p2p = config.p2p.enabled
+        pd_role = config.pd.role
         names = [l1.name, *(["p2p"] if with_p2p else []), *(["disk"] if with_disk else [])]
         names += [t.name for t in lower]
         names += ["remote"] if with_remote else []
@@ -124,15 +128,24 @@ class KVEngine:
         if with_remote:
             # L4, the slowest: after the local disk and any tiers passed in.
             lower.append(self._make_remote_tier())
-        p2p = self._make_p2p_tier() if with_p2p else None
-        if p2p is not None:
-            lower.insert(0, p2p)  # L2: a peer's memory beats any disk
+        channel = self._make_channel() if with_p2p or pd_role != "none" else None
+        if with_p2p:
+            assert channel is not None
+            lower.insert(0, self._make_p2p_tier(channel))  # L2: a peer's memory beats any disk
         self.storage = StorageManager(
             l1, lower, self.loop, self.events, max_inflight_io=config.max_inflight_io
         )
         self.stats.l1_capacity.set(self.pool.capacity_bytes)
-        if p2p is not None:
-            attach_p2p_server(self, p2p.channel)
+        # Disaggregated prefill: a decoder receives through its P2P endpoint; a
+        # prefiller writes through the same channel.
+        self.pd_receiver = PdReceiver(self) if pd_role in ("receiver", "both") else None
+        self.pd_sender = (
+            PdSender(self, channel)
+            if channel is not None and pd_role in ("sender", "both")
+            else None
+        )
+        if channel is not None and (with_p2p or self.pd_receiver is not None):
+            attach_p2p_server(self, channel)
         self.pins = LookupPins(self.storage.unpin, config.pin_timeout_s)
         self._mla = MLABroadcast(mla_group, rank) if self.is_mla and world_size > 1 else None
         self._prefetches: dict[str, concurrent.futures.Future[int]] = {}
@@ -176,23 +189,36 @@ class KVEngine:
         self.add_close_hook(tier.close)
         return tier
 
-    def _make_p2p_tier(self) -> P2PTier:
-        """L2: peers' L1 through a TransferChannel that also serves ours (NIXL registers
-        the whole pool once); the tier closes its channel before the loop stops."""
-        cfg = self.config.p2p
+    def _make_channel(self) -> TransferChannel:
+        """The TransferChannel of peers and PD pushes: NIXL registers the whole L1 pool
+        once, both to serve it and to land chunks in it. It closes (on the loop) before
+        the loop stops."""
         buf = self.pool.buffer
         name = f"{self.instance_id}-{self.rank}"
-        channel = make_channel(cfg.channel, name, [(buf.data_ptr(), buf.numel())])
-        tier = P2PTier(
+        channel = make_channel(self.config.p2p.channel, name, [(buf.data_ptr(), buf.numel())])
+
+        def close() -> None:
+            if self.pd_receiver is not None and self.loop.running:
+                self.loop.loop.call_soon_threadsafe(self.pd_receiver.close)
+            try:
+                if self.loop.running:
+                    self.loop.run(channel.aclose(), 5.0)
+            except Exception as exc:
+                log.warning("channel close failed", error=repr(exc))
+
+        self.add_close_hook(close)
+        return channel
+
+    def _make_p2p_tier(self, channel: TransferChannel) -> P2PTier:
+        """L2: peers' L1 through the engine's channel, which also serves ours."""
+        return P2PTier(
             channel,
             self.loop,
-            cfg,
+            self.config.p2p,
             lambda: self.peer_locator,
             lambda: self.p2p_endpoint,
             metrics=self.stats.metrics,
         )
-        self.add_close_hook(tier.close)
-        return tier
 
     # -- bookkeeping ------------------------------------------------------------------
     def _on_evict(self, key: ChunkKey, obj: MemoryObj) -> None:
@@ -204,6 +230,9 @@ class KVEngine:
         while True:
             await asyncio.sleep(period)
             self.pins.expire()
+            if self.pd_receiver is not None:
+                self.pd_receiver.expire()
+                self.pd_receiver.sweep()
             self.stats.pinned_lookups.set(len(self.pins))
 
     def _check_open(self) -> None:
@@ -322,6 +351,9 @@ class KVEngine:
     def release_lookup(self, lookup_id: str) -> None:
         """Drop the pins of a lookup whose request will not be retrieved."""
         self.pins.release(lookup_id)
+        if self.pd_receiver is not None and lookup_id.startswith(PD_HOLD_PREFIX):
+            # The receiver's state lives on the loop; release may come from any thread.
+            self.loop.loop.call_soon_threadsafe(self.pd_receiver.drop, lookup_id)
         fut = self._prefetches.pop(lookup_id, None)
         if fut is not None:
             fut.cancel()

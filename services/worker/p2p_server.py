@@ -34,6 +34,7 @@ from kvmesh.common.memory import MemoryObj
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import p2p as proto
 from kvmesh.common.transport.channel import TransferChannel
+from kvmesh.services.worker.pd_receiver import PdRefused
 
 if TYPE_CHECKING:
     from kvmesh.services.worker.engine import KVEngine
@@ -62,7 +63,7 @@ class P2PServer:
         self._bg: set[asyncio.Task[Any]] = set()
         m = engine.stats.metrics
         req = m.counter("p2p_server_requests_total", "Peer requests served", ["kind"])
-        self._requests = {k: req.labels(kind=k) for k in ("hello", "read", "pin", "release")}
+        self._requests = {k: req.labels(kind=k) for k in ("hello", "read", "pin", "release", "pd")}
         self._errors = m.counter("p2p_server_errors_total", "Peer error replies", ["code"])
         self._served = m.counter("p2p_served_bytes_total", "Chunk bytes handed to peers")
         self._leased = m.gauge("p2p_server_leases", "NIXL leases holding chunks for peers")
@@ -179,9 +180,13 @@ class P2PServer:
                 return await self._read(msg)
             if isinstance(msg, proto.PinChunks):
                 return await self._pin(msg), []
-            return self._release_msg(msg), []
+            if isinstance(msg, proto.ReleaseChunks):
+                return self._release_msg(msg), []
+            return await self._pd(msg, frames[1:]), []
         except _BadKey as exc:
             return proto.error_reply(msg.rid, proto.ErrorCode.BAD_KEY, str(exc)), []
+        except PdRefused as exc:
+            return proto.error_reply(msg.rid, exc.code, str(exc)), []
         except Exception as exc:
             log.exception("p2p request failed", request=type(msg).__name__)
             return proto.error_reply(msg.rid, proto.ErrorCode.INTERNAL, repr(exc)), []
@@ -234,6 +239,23 @@ class P2PServer:
         metas = [_meta(key, obj, obj.data_ptr) for key, obj in held]
         return proto.PinChunksReply(msg.rid, lease, metas)
 
+    async def _pd(self, msg: proto.Request, payloads: Sequence[bytes]) -> proto.Reply:
+        """Disaggregated prefill messages, for the engine's PD receiver."""
+        receiver = self.engine.pd_receiver
+        if receiver is None:
+            return proto.error_reply(
+                msg.rid, proto.ErrorCode.NOT_RECEIVER, "this engine does not receive PD transfers"
+            )
+        self._requests["pd"].inc()
+        if isinstance(msg, proto.AllocChunks):
+            return receiver.alloc(msg)
+        if isinstance(msg, proto.PushChunks):
+            return receiver.push(msg, payloads)
+        if isinstance(msg, proto.CommitChunks):
+            return await receiver.commit(msg)
+        assert isinstance(msg, proto.CancelChunks)
+        return receiver.cancel(msg)
+
     def _release_msg(self, msg: proto.ReleaseChunks) -> proto.Reply:
         self._requests["release"].inc()
         return proto.ReleaseChunksReply(msg.rid, self._release(msg.lease))
@@ -280,7 +302,9 @@ def attach_p2p_server(engine: KVEngine, channel: TransferChannel) -> P2PServer:
     """Start serving engine's L1 to peers at `engine.p2p` host/port; `engine.close()`
     stops it. Sets `engine.p2p_endpoint` (what the controller client registers)."""
     cfg = engine.config.p2p
-    server = P2PServer(engine, channel, cfg.host, cfg.port)
+    # A fixed port is rank 0's; rank r serves on port + r (what a bridge's list of a
+    # decoder's endpoints names).
+    server = P2PServer(engine, channel, cfg.host, cfg.port + engine.rank if cfg.port else 0)
     engine.p2p_endpoint = server.start()
     engine.add_close_hook(server.stop)
     return server

@@ -1,0 +1,334 @@
+"""The decoder's half of disaggregated prefill: receive buffers a prefiller writes into.
+
+A prefiller asks (`AllocChunks`, over the P2P endpoint) for one buffer per chunk of a
+prompt. The receiver takes free L1 pages only: it never evicts to make room, so a
+decoder busy with its own cache refuses (`NO_ROOM`) and the request falls back to
+recompute rather than slowing down everything else. The prefiller then writes each
+layer straight into the buffers (a NIXL WRITE, or `PushChunks` frames over ZMQ) and
+finally sends `CommitChunks` with each chunk's xxh3: chunks that verify enter L1 under
+their keys, pinned under the lookup id "pd:<transfer id>" until the decoder's vLLM has
+loaded them (the connector releases that id when the request finishes) or the pin
+timeout passes. Then the chunks received are dropped from L1: a decoder stores no KV
+of its own, so kept chunks would only fill the free pages later transfers need.
+
+Buffers that are never committed (a prefiller that died, a cancelled request) go back
+to the pool after the sender's deadline plus `pd.timeout_s`: a late NIXL write can then
+no longer land in a page that holds someone else's chunk.
+
+Everything here runs on the engine's event loop (the P2P server calls it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvmesh.common.chunk_codec import dtype_name, payload_checksum
+from kvmesh.common.keys import ChunkKey
+from kvmesh.common.memory import MemoryFormat, MemoryObj
+from kvmesh.common.observability import get_logger
+from kvmesh.common.protocol import p2p as proto
+from kvmesh.common.transport.chunk_regions import layer_regions, token_axis
+from kvmesh.services.worker.events import KVEventKind
+
+if TYPE_CHECKING:
+    from kvmesh.services.worker.engine import KVEngine
+
+log = get_logger(__name__)
+
+PIN_PREFIX = "pd:"
+
+
+def hold_id(transfer_id: str) -> str:
+    """The lookup id the received chunks of a transfer are pinned under."""
+    return PIN_PREFIX + transfer_id
+
+
+class PdRefused(Exception):
+    """An AllocChunks the receiver will not serve; `code` goes back to the sender."""
+
+    def __init__(self, code: proto.ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class _Inbound:
+    transfer_id: str
+    keys: list[ChunkKey]
+    objs: list[MemoryObj | None]  # None: the chunk is here already, nothing to write
+    expires: float  # monotonic
+    pages: int
+
+
+class PdReceiver:
+    def __init__(self, engine: KVEngine) -> None:
+        self.engine = engine
+        cfg = engine.config.pd
+        self.grace_s = cfg.timeout_s
+        self.max_pages = max(1, int(engine.pool.num_pages * cfg.max_receive_fraction))
+        self._inbound: dict[int, _Inbound] = {}
+        # lookup id → (keys pinned for it, keys this engine received for it)
+        self._held: dict[str, tuple[list[ChunkKey], list[ChunkKey]]] = {}
+        self._ids = itertools.count(1)
+        self._pages = 0
+        m = engine.stats.metrics
+        allocs = m.counter("pd_receive_allocs_total", "PD allocation requests", ["outcome"])
+        self._allocs = {o: allocs.labels(outcome=o) for o in ("ok", "refused")}
+        self._committed = m.counter("pd_received_chunks_total", "PD chunks received and verified")
+        self._rejected = m.counter(
+            "pd_rejected_chunks_total", "PD chunks dropped: checksum mismatch or never written"
+        )
+        self._bytes = m.counter("pd_received_bytes_total", "PD chunk bytes committed")
+        self._expired = m.counter("pd_expired_allocs_total", "PD allocations freed uncommitted")
+        self._inflight = m.gauge("pd_receive_inflight", "PD allocations awaiting their commit")
+        self._inflight_pages = m.gauge("pd_receive_pages", "L1 pages held by PD receive buffers")
+        self._holding = m.gauge(
+            "pd_transfers_held", "PD transfers received and pinned until their decode ends"
+        )
+        for c in (self._committed, self._rejected, self._bytes, self._expired):
+            c.inc(0)
+        self._gauges()
+
+    # -- requests (on the engine loop) ----------------------------------------------------
+    def alloc(self, msg: proto.AllocChunks) -> proto.AllocChunksReply:
+        try:
+            reply = self._alloc(msg)
+        except PdRefused:
+            self._allocs["refused"].inc()
+            raise
+        self._allocs["ok"].inc()
+        return reply
+
+    def _alloc(self, msg: proto.AllocChunks) -> proto.AllocChunksReply:
+        e = self.engine
+        if not msg.keys:
+            raise PdRefused(proto.ErrorCode.BAD_MESSAGE, "no keys")
+        keys = _parse_keys(msg.keys)
+        fmt = MemoryFormat(msg.fmt) if msg.fmt in MemoryFormat._value2member_map_ else None
+        full = tuple(e.layout.chunk_shape(e.config.chunk_size))
+        if (
+            fmt != e.chunk_format
+            or tuple(msg.chunk_shape) != full
+            or msg.dtype != dtype_name(e.layout.dtype)
+        ):
+            raise PdRefused(
+                proto.ErrorCode.BAD_LAYOUT,
+                f"chunks of {msg.chunk_shape} {msg.dtype} fmt {msg.fmt} do not fit this "
+                f"engine's {list(full)} {dtype_name(e.layout.dtype)} fmt {int(e.chunk_format)}",
+            )
+        if not 0 < msg.last_tokens <= e.config.chunk_size:
+            raise PdRefused(proto.ErrorCode.BAD_MESSAGE, f"last_tokens {msg.last_tokens}")
+        l1 = e.storage.l1
+        wanted = [not l1.contains(k) for k in keys]
+        need = sum(wanted)
+        if self._pages + need > self.max_pages:
+            raise PdRefused(
+                proto.ErrorCode.NO_ROOM,
+                f"{need} pages asked, {self.max_pages - self._pages} of the PD share free",
+            )
+        axis = token_axis(e.chunk_format)
+        objs: list[MemoryObj | None] = []
+        for i, want in enumerate(wanted):
+            if not want:
+                objs.append(None)
+                continue
+            shape = list(full)
+            if i == len(keys) - 1:
+                shape[axis] = msg.last_tokens
+            obj = e.pool.allocate(shape, e.layout.dtype, e.chunk_format)
+            if obj is None:  # the pool itself is full: refuse rather than evict
+                for o in objs:
+                    if o is not None:
+                        o.ref_down()
+                raise PdRefused(proto.ErrorCode.NO_ROOM, "L1 has no free page")
+            objs.append(obj)
+        deadline = _monotonic_deadline(msg.deadline, e.config.pd.timeout_s)
+        alloc_id = next(self._ids)
+        self._inbound[alloc_id] = _Inbound(
+            msg.transfer_id, keys, objs, deadline + self.grace_s, need
+        )
+        self._pages += need
+        self._gauges()
+        slots = [
+            proto.Slot(0, 0, True) if o is None else proto.Slot(o.data_ptr, o.nbytes, False)
+            for o in objs
+        ]
+        return proto.AllocChunksReply(msg.rid, alloc_id, slots)
+
+    def push(self, msg: proto.PushChunks, payloads: Sequence[memoryview]) -> proto.Reply:
+        """Write frames sent over ZMQ (the NIXL channel writes without asking)."""
+        inbound = self._get(msg.alloc_id)
+        for index, frame in zip(msg.chunks, payloads, strict=True):
+            if not 0 <= index < len(inbound.objs):
+                raise PdRefused(proto.ErrorCode.BAD_MESSAGE, f"chunk index {index}")
+            obj = inbound.objs[index]
+            if obj is None:
+                continue
+            raw = obj.raw.numpy()
+            try:
+                regions = layer_regions(obj, msg.layer)
+            except ValueError as exc:
+                raise PdRefused(proto.ErrorCode.BAD_MESSAGE, str(exc)) from None
+            if len(frame) != sum(n for _, n in regions):
+                raise PdRefused(
+                    proto.ErrorCode.BAD_MESSAGE,
+                    f"chunk {index} layer {msg.layer}: {len(frame)} bytes for "
+                    f"{sum(n for _, n in regions)}",
+                )
+            src = np.frombuffer(frame, dtype=np.uint8)
+            pos = 0
+            for off, n in regions:
+                raw[off : off + n] = src[pos : pos + n]
+                pos += n
+        return proto.PushChunksReply(msg.rid, len(msg.chunks))
+
+    async def commit(self, msg: proto.CommitChunks) -> proto.CommitChunksReply:
+        inbound = self._get(msg.alloc_id)
+        if len(msg.checksums) != len(inbound.keys):
+            raise PdRefused(
+                proto.ErrorCode.BAD_MESSAGE,
+                f"{len(msg.checksums)} checksums for {len(inbound.keys)} chunks",
+            )
+        del self._inbound[msg.alloc_id]  # from here on the buffers are ours to place
+        self._pages -= inbound.pages
+        todo = [(o, s) for o, s in zip(inbound.objs, msg.checksums, strict=True) if o is not None]
+        # xxh3 of megabytes of KV: not on the loop.
+        ok = await asyncio.to_thread(
+            lambda: [payload_checksum(memoryview(o.raw.numpy())) == s for o, s in todo]
+        )
+        verdict = iter(ok)
+        l1 = self.engine.storage.l1
+        events = self.engine.events
+        committed = rejected = 0
+        present: list[ChunkKey] = []
+        received: list[ChunkKey] = []
+        for key, obj, checksum in zip(inbound.keys, inbound.objs, msg.checksums, strict=True):
+            if obj is None:
+                present.append(key)
+                continue
+            if not next(verdict):
+                rejected += 1
+                obj.ref_down()
+                continue
+            obj.checksum = checksum
+            obj.key = key
+            nbytes = obj.nbytes
+            if l1.insert(key, obj):
+                events.record(KVEventKind.STORED, key.to_str(), l1.name)
+                received.append(key)
+            committed += 1
+            self._bytes.inc(nbytes)
+            present.append(key)
+        self._committed.inc(committed)
+        self._rejected.inc(rejected)
+        if rejected:
+            log.warning("PD chunks failed their checksum", transfer=inbound.transfer_id, n=rejected)
+        self._hold(inbound.transfer_id, present, received)
+        self._gauges()
+        return proto.CommitChunksReply(msg.rid, committed, rejected)
+
+    def cancel(self, msg: proto.CancelChunks) -> proto.CancelChunksReply:
+        inbound = self._inbound.pop(msg.alloc_id, None)
+        if inbound is not None:
+            self._free(inbound)
+        return proto.CancelChunksReply(msg.rid, inbound is not None)
+
+    # -- housekeeping -----------------------------------------------------------------
+    def expire(self, now: float | None = None) -> int:
+        now = time.monotonic() if now is None else now
+        gone = [a for a, inbound in self._inbound.items() if inbound.expires < now]
+        for alloc_id in gone:
+            inbound = self._inbound.pop(alloc_id)
+            log.warning("PD receive buffers freed uncommitted", transfer=inbound.transfer_id)
+            self._expired.inc()
+            self._free(inbound)
+        return len(gone)
+
+    def close(self) -> None:
+        for alloc_id in list(self._inbound):
+            self._free(self._inbound.pop(alloc_id))
+
+    @property
+    def inflight(self) -> int:
+        return len(self._inbound)
+
+    @property
+    def pages(self) -> int:
+        return self._pages
+
+    # -- helpers ------------------------------------------------------------------------
+    def _get(self, alloc_id: int) -> _Inbound:
+        inbound = self._inbound.get(alloc_id)
+        if inbound is None:
+            raise PdRefused(
+                proto.ErrorCode.UNKNOWN_TRANSFER, f"allocation {alloc_id} unknown or expired"
+            )
+        return inbound
+
+    def _free(self, inbound: _Inbound) -> None:
+        for obj in inbound.objs:
+            if obj is not None:
+                obj.ref_down()
+        self._pages -= inbound.pages
+        self._gauges()
+
+    def _hold(self, transfer_id: str, keys: list[ChunkKey], received: list[ChunkKey]) -> None:
+        """Pin keys under the transfer's lookup id, with what earlier commits of the same
+        transfer (one per prefill step) pinned."""
+        e = self.engine
+        l1 = e.storage.l1
+        lookup_id = hold_id(transfer_id)
+        old, old_received = self._held.get(lookup_id, ([], []))
+        if lookup_id not in e.pins:
+            old = []
+        # hold() replaces the id's entry and unpins the old keys once: pin them again.
+        keys = [k for k in old if l1.pin(k)] + [k for k in keys if l1.pin(k)]
+        e.pins.hold(lookup_id, [(l1, k) for k in keys])
+        self._held[lookup_id] = (keys, old_received + received)
+
+    def drop(self, lookup_id: str) -> int:
+        """The transfer's chunks are loaded (or never will be): drop what was received
+        for it from L1, unless something else pinned it meanwhile."""
+        entry = self._held.pop(lookup_id, None)
+        if entry is None:
+            return 0
+        l1 = self.engine.storage.l1
+        events = self.engine.events
+        dropped = 0
+        for key in entry[1]:
+            if l1.remove(key):
+                events.record(KVEventKind.REMOVED, key.to_str(), l1.name)
+                dropped += 1
+        self._gauges()
+        return dropped
+
+    def sweep(self) -> int:
+        """Drop the transfers whose pins ended without a release (the pin timeout)."""
+        pins = self.engine.pins
+        return sum(self.drop(i) for i in [i for i in self._held if i not in pins])
+
+    def _gauges(self) -> None:
+        self._inflight.set(len(self._inbound))
+        self._inflight_pages.set(self._pages)
+        self._holding.set(len(self._held))
+
+
+def _parse_keys(raw: list[str]) -> list[ChunkKey]:
+    try:
+        return [ChunkKey.from_str(k) for k in raw]
+    except ValueError as exc:
+        raise PdRefused(proto.ErrorCode.BAD_KEY, str(exc)) from None
+
+
+def _monotonic_deadline(unix_deadline: float, default_s: float) -> float:
+    now = time.monotonic()
+    if unix_deadline <= 0:
+        return now + default_s
+    return now + min(max(unix_deadline - time.time(), 0.0), 10 * default_s)

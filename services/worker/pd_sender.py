@@ -1,0 +1,276 @@
+"""The prefiller's half of disaggregated prefill: push a prompt's KV to a decoder.
+
+`push_layers` is a generator the vLLM worker steps once per layer, like
+`KVEngine.store_layer`: each step copies that layer of every chunk out of the paged
+KV into L1 buffers and hands it to a coroutine on the engine loop, which writes it
+into the buffers the decoder allocated (one NIXL WRITE per layer, or a `PushChunks`
+message over ZMQ). So layer i travels while the model computes layer i+1. The
+allocation request goes out before layer 0 is copied; the commit (each chunk's
+xxh3, which the decoder verifies) after the last layer.
+
+The worker waits for the commit, with the deadline `pd.timeout_s`, before vLLM
+finishes the prefill step, so when the prefill's HTTP answer reaches the bridge the KV
+is on the decoder (or the push failed, and the decoder will recompute). A push that
+fails or is abandoned cancels its allocation on the decoder. The pushed chunks are
+also stored in this engine's tiers, like any saved prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvmesh.common.chunk_codec import dtype_name, payload_checksum
+from kvmesh.common.keys import ChunkKey
+from kvmesh.common.memory import MemoryObj
+from kvmesh.common.observability import get_logger
+from kvmesh.common.protocol import p2p as proto
+from kvmesh.common.transport.channel import PeerError, TransferChannel
+from kvmesh.common.transport.chunk_regions import WHOLE, token_axis
+from kvmesh.services.worker.tiers.host import AllocationError
+
+if TYPE_CHECKING:
+    from kvmesh.services.worker.engine import KVEngine
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class PdTarget:
+    """Where a prefill's KV goes: the decoder rank's P2P endpoint, under a transfer id
+    the bridge also hands the decoder."""
+
+    transfer_id: str
+    endpoint: str
+
+
+@dataclass
+class _Entry:
+    start: int
+    end: int
+    key: ChunkKey
+    obj: MemoryObj
+    fresh: bool  # copied from the paged KV now (else: already in L1)
+
+
+class PdSender:
+    def __init__(self, engine: KVEngine, channel: TransferChannel) -> None:
+        self.engine = engine
+        self.channel = channel
+        self.timeout_s = engine.config.pd.timeout_s
+        m = engine.stats.metrics
+        pushes = m.counter("pd_pushes_total", "PD pushes to decoders", ["outcome"])
+        self._pushes = {o: pushes.labels(outcome=o) for o in ("ok", "refused", "failed")}
+        self._bytes = m.counter("pd_sent_bytes_total", "PD chunk bytes written to decoders")
+        self._seconds = m.histogram(
+            "pd_push_seconds", "From allocation request to commit reply, per push"
+        )
+        self._bytes.inc(0)
+        self.inflight = 0
+
+    async def run(self, push: _Push) -> int:
+        """The loop side of one push; the tokens the decoder committed."""
+        self.inflight += 1
+        t0 = time.perf_counter()
+        try:
+            tokens = await push.run()
+        except PeerError as exc:
+            refused = f"code {int(proto.ErrorCode.NO_ROOM)}:" in str(exc)
+            self._pushes["refused" if refused else "failed"].inc()
+            log.warning("PD push failed", transfer=push.target.transfer_id, error=str(exc))
+            await push.cancel()
+            return 0
+        except BaseException:
+            self._pushes["failed"].inc()
+            await push.cancel()
+            raise
+        finally:
+            self.inflight -= 1
+        self._pushes["ok"].inc()
+        self._bytes.inc(push.sent_bytes)
+        self._seconds.observe(time.perf_counter() - t0)
+        return tokens
+
+
+class _Push:
+    """One push's state on the engine loop."""
+
+    def __init__(self, sender: PdSender, target: PdTarget, entries: list[_Entry]) -> None:
+        self.sender = sender
+        self.target = target
+        self.entries = entries
+        self.deadline = time.monotonic() + sender.timeout_s
+        self.layers: asyncio.Queue[int | None] = asyncio.Queue()
+        self.alloc_id = 0
+        self.sent_bytes = 0
+
+    def _left(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise PeerError(f"PD push {self.target.transfer_id} past its deadline")
+        return left
+
+    async def run(self) -> int:
+        e = self.sender.engine
+        ch = self.sender.channel
+        first = self.entries[0].obj
+        last = self.entries[-1]
+        full = list(e.layout.chunk_shape(e.config.chunk_size))
+        axis = token_axis(e.chunk_format)
+        unix_deadline = time.time() + self._left()
+        reply = await ch.call(
+            self.target.endpoint,
+            lambda rid: proto.AllocChunks(
+                rid,
+                proto.PROTOCOL_VERSION,
+                self.target.transfer_id,
+                [x.key.to_str() for x in self.entries],
+                full,
+                dtype_name(first.dtype),
+                int(first.fmt),
+                int(last.obj.shape[axis]),
+                unix_deadline,
+            ),
+            self._left(),
+        )
+        if not isinstance(reply, proto.AllocChunksReply) or len(reply.slots) != len(self.entries):
+            raise PeerError(f"unexpected reply to alloc: {type(reply).__name__}")
+        self.alloc_id = reply.alloc_id
+        pieces = []
+        for i, (x, slot) in enumerate(zip(self.entries, reply.slots, strict=True)):
+            if slot.have:
+                continue
+            if slot.nbytes != x.obj.nbytes:
+                raise PeerError(f"decoder buffer of {slot.nbytes} bytes for {x.obj.nbytes}")
+            pieces.append((i, x.obj, slot.addr))
+        while True:
+            layer = await asyncio.wait_for(self.layers.get(), self._left())
+            if layer is None:
+                break
+            if pieces:
+                await ch.write(self.target.endpoint, reply.alloc_id, layer, pieces, self._left())
+        self.sent_bytes = sum(obj.nbytes for _, obj, _ in pieces)
+        unsummed = [x.obj for x in self.entries if x.obj.checksum is None]
+        if unsummed:
+            sums = await asyncio.to_thread(
+                lambda: [payload_checksum(memoryview(o.raw.numpy())) for o in unsummed]
+            )
+            for obj, s in zip(unsummed, sums, strict=True):
+                obj.checksum = s
+        done = await ch.call(
+            self.target.endpoint,
+            lambda rid: proto.CommitChunks(
+                rid,
+                proto.PROTOCOL_VERSION,
+                reply.alloc_id,
+                [int(x.obj.checksum or 0) for x in self.entries],
+            ),
+            self._left(),
+        )
+        self.alloc_id = 0  # committed: nothing left to cancel
+        if not isinstance(done, proto.CommitChunksReply):
+            raise PeerError(f"unexpected reply to commit: {type(done).__name__}")
+        if done.rejected:
+            raise PeerError(f"decoder rejected {done.rejected} chunks (checksum)")
+        return self.entries[-1].end
+
+    async def cancel(self) -> None:
+        if not self.alloc_id:
+            return
+        alloc_id, self.alloc_id = self.alloc_id, 0
+        try:
+            await self.sender.channel.call(
+                self.target.endpoint,
+                lambda rid: proto.CancelChunks(rid, proto.PROTOCOL_VERSION, alloc_id),
+                1.0,
+            )
+        except PeerError as exc:  # it frees the buffers at its deadline anyway
+            log.debug("PD cancel not delivered", error=str(exc))
+
+
+def push_layers(
+    engine: KVEngine,
+    tokens: Sequence[int] | torch.Tensor,
+    slot_mapping: torch.Tensor,
+    mask: torch.Tensor | None,
+    target: PdTarget,
+    tenant: str = "",
+    *,
+    layerwise: bool = True,
+) -> Generator[int, None, int]:
+    """Push the chunks of tokens (from mask's first True on) to target; next() after
+    each layer's KV is in the paged cache. Returns the tokens the decoder committed
+    (0 when the push failed: the decoder then recomputes). Without layerwise, the
+    first next() copies and pushes every layer at once."""
+    engine._check_open()
+    sender = engine.pd_sender
+    if sender is None:
+        raise RuntimeError("this engine has no PD sender (engine.pd.role)")
+    l1 = engine.storage.l1
+    entries: list[_Entry] = []
+    for start, end, key in engine.chunks(tokens, mask, tenant):
+        obj = l1.get(key)
+        fresh = obj is None
+        if obj is None:
+            try:
+                obj = engine._new_chunk_obj(end - start)
+            except AllocationError as exc:
+                engine.stats.alloc_failures.inc()
+                log.warning("PD push truncated: no memory", error=str(exc))
+                break
+        entries.append(_Entry(start, end, key, obj, fresh))
+    if not entries:
+        return 0
+    loop = engine.loop
+    push: _Push = loop.run(_make_push(sender, target, entries), sender.timeout_s)
+    fut: concurrent.futures.Future[int] = loop.submit(sender.run(push))
+    committed = False
+    try:
+        num_layers = engine.layout.num_layers
+        if layerwise:
+            for layer in range(num_layers):
+                for x in entries:
+                    if x.fresh:
+                        engine.copier.gather(
+                            slot_mapping[x.start : x.end], x.obj.tensor, layer=layer
+                        )
+                loop.loop.call_soon_threadsafe(push.layers.put_nowait, layer)
+                if layer < num_layers - 1:
+                    yield layer
+        else:
+            for x in entries:
+                if x.fresh:
+                    engine.copier.gather(slot_mapping[x.start : x.end], x.obj.tensor)
+            loop.loop.call_soon_threadsafe(push.layers.put_nowait, WHOLE)
+        loop.loop.call_soon_threadsafe(push.layers.put_nowait, None)
+        try:
+            pushed = fut.result(sender.timeout_s + 1.0)
+        except (concurrent.futures.TimeoutError, PeerError) as exc:
+            log.warning("PD push gave up", transfer=target.transfer_id, error=repr(exc))
+            fut.cancel()
+            pushed = 0
+        # What was copied out is cached here too, like any saved prompt.
+        for x in entries:
+            if x.fresh:
+                x.obj.key = x.key
+                if engine.storage.put(x.key, x.obj):
+                    engine.stats.chunks_stored.inc()
+            else:
+                x.obj.ref_down()
+        committed = True
+        return pushed
+    finally:
+        if not committed:  # abandoned part way: cancel, and the buffers go back
+            fut.cancel()
+            for x in entries:
+                x.obj.ref_down()
+
+
+async def _make_push(sender: PdSender, target: PdTarget, entries: list[_Entry]) -> _Push:
+    return _Push(sender, target, entries)  # its queue must be made on the loop

@@ -1,0 +1,311 @@
+"""Disaggregated prefill between two real engines: a prefiller pushes a prompt's KV,
+layer by layer, into buffers the decoder allocated (NIXL WRITE and the ZMQ channel),
+and the decoder then loads exactly those bytes. A decoder out of room refuses, a
+corrupted push is dropped, an abandoned allocation is freed, and malformed PD messages
+get error replies."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import torch
+import zmq
+from kvtest.p2p import CHUNK, kv_cache, prompt, slot_bytes
+
+from kvmesh.common.config import EngineConfig, L1Config, P2PConfig, PDConfig
+from kvmesh.common.protocol import p2p as proto
+from kvmesh.services.worker.engine import KVEngine
+from kvmesh.services.worker.pd_receiver import hold_id
+from kvmesh.services.worker.pd_sender import PdTarget, push_layers
+
+N = 3 * CHUNK + CHUNK // 2  # three full chunks and a partial one
+
+
+def make(
+    role: str, channel: str, seed: int | None, *, fraction: float = 0.5, pin_s: float = 30.0
+) -> KVEngine:
+    cfg = EngineConfig(
+        pin_timeout_s=pin_s,
+        chunk_size=CHUNK,
+        model_name="pd-test",
+        l1=L1Config(max_size=4 << 20, reserve=0, alloc_timeout_s=0.2),
+        p2p=P2PConfig(channel=channel, timeout_s=2.0),
+        pd=PDConfig(role=role, timeout_s=2.0, max_receive_fraction=fraction),
+        close_flush_s=0,
+    )
+    cache = kv_cache(seed)
+    engine = KVEngine(f"{role}-{channel}", 0, cfg, cache)
+    engine.test_cache = cache  # what the tests compare bytes of
+    return engine
+
+
+@pytest.fixture(params=["nixl", "zmq"])
+def pair(request) -> Iterator[tuple[KVEngine, KVEngine]]:
+    prefiller = make("sender", request.param, seed=1)
+    decoder = make("receiver", request.param, seed=None)
+    yield prefiller, decoder
+    prefiller.close()
+    decoder.close()
+
+
+def drain(gen) -> int:
+    while True:
+        try:
+            next(gen)
+        except StopIteration as stop:
+            return stop.value
+
+
+def metric(engine: KVEngine, name: str, **labels: str) -> float:
+    return engine.stats.metrics.value(name, labels or None)
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_pushed_kv_loads_on_the_decoder_bit_for_bit(pair, layerwise: bool) -> None:
+    prefiller, decoder = pair
+    tokens, slots = prompt(5, N), torch.arange(N)
+    target = PdTarget("t-1", decoder.p2p_endpoint)
+    gen = push_layers(prefiller, tokens, slots, None, target, layerwise=layerwise)
+    steps = 0
+    while True:
+        try:
+            next(gen)
+            steps += 1
+        except StopIteration as stop:
+            pushed = stop.value
+            break
+    # Layer by layer: one step per layer but the last (the final next() commits).
+    assert steps == (prefiller.layout.num_layers - 1 if layerwise else 0)
+    assert pushed == N
+    # The decoder holds every chunk, the partial last one included, pinned for the
+    # transfer until released.
+    assert hold_id("t-1") in decoder.pins
+    assert decoder.lookup(tokens, pin=False) == N
+    dst_slots = slots + 5 * 16  # other blocks on the decoder
+    loaded = decoder.retrieve(tokens, dst_slots)
+    assert int(loaded.sum()) == N
+    assert slot_bytes(decoder.test_cache, dst_slots) == slot_bytes(prefiller.test_cache, slots)
+    assert metric(decoder, "pd_received_chunks_total") == 4
+    assert metric(prefiller, "pd_pushes_total", outcome="ok") == 1
+    assert decoder.pd_receiver.inflight == 0 and decoder.pd_receiver.pages == 0
+    # NIXL writes without a message; over ZMQ each layer (or the whole) is one push.
+    channel = prefiller.pd_sender.channel.name
+    pushes = (prefiller.layout.num_layers if layerwise else 1) if channel == "zmq" else 0
+    assert metric(decoder, "p2p_server_requests_total", kind="pd") == 2 + pushes
+    decoder.release_lookup(hold_id("t-1"))
+    assert hold_id("t-1") not in decoder.pins
+    # Released: what was received leaves L1, so later transfers find free pages.
+    deadline = time.monotonic() + 2.0
+    while decoder.pool.used_pages and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert decoder.pool.used_pages == 0
+    assert decoder.lookup(tokens, pin=False) == 0
+    # The prefiller cached what it copied out, like any saved prompt.
+    assert prefiller.lookup(tokens, pin=False) == N
+
+
+def test_decoder_without_room_refuses_and_nothing_is_held() -> None:
+    prefiller = make("sender", "zmq", seed=1)
+    decoder = make("receiver", "zmq", seed=None, fraction=1e-9)  # a one-page share
+    try:
+        tokens, slots = prompt(5, N), torch.arange(N)
+        pushed = drain(
+            push_layers(prefiller, tokens, slots, None, PdTarget("t", decoder.p2p_endpoint))
+        )
+        assert pushed == 0
+        assert metric(prefiller, "pd_pushes_total", outcome="refused") == 1
+        assert metric(decoder, "pd_receive_allocs_total", outcome="refused") == 1
+        assert decoder.lookup(tokens, pin=False) == 0
+        assert decoder.pd_receiver.pages == 0 and decoder.pool.used_pages == 0
+        # The prefiller still cached its prompt: a refusal costs the decoder a
+        # recompute, not the prefiller its cache.
+        assert prefiller.lookup(tokens, pin=False) == N
+    finally:
+        prefiller.close()
+        decoder.close()
+
+
+def test_chunks_of_a_decode_that_never_comes_are_dropped_at_the_pin_timeout() -> None:
+    prefiller = make("sender", "zmq", seed=1)
+    decoder = make("receiver", "zmq", seed=None, pin_s=0.3)
+    try:
+        tokens, slots = prompt(5, N), torch.arange(N)
+        target = PdTarget("t", decoder.p2p_endpoint)
+        assert drain(push_layers(prefiller, tokens, slots, None, target)) == N
+        assert decoder.pool.used_pages == 4
+        deadline = time.monotonic() + 3.0
+        while decoder.pool.used_pages and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert decoder.pool.used_pages == 0
+        assert metric(decoder, "pd_transfers_held") == 0
+    finally:
+        prefiller.close()
+        decoder.close()
+
+
+def test_push_to_a_dead_decoder_gives_up_by_the_deadline() -> None:
+    prefiller = make("sender", "zmq", seed=1)
+    try:
+        tokens, slots = prompt(5, N), torch.arange(N)
+        t0 = time.monotonic()
+        pushed = drain(
+            push_layers(prefiller, tokens, slots, None, PdTarget("t", "tcp://127.0.0.1:9"))
+        )
+        assert pushed == 0
+        assert time.monotonic() - t0 < prefiller.config.pd.timeout_s + 2.0
+        assert metric(prefiller, "pd_pushes_total", outcome="failed") == 1
+        assert prefiller.lookup(tokens, pin=False) == N
+    finally:
+        prefiller.close()
+
+
+class _Raw:
+    """A DEALER speaking the peer protocol by hand: a prefiller that misbehaves."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.linger = 0
+        self.sock.rcvtimeo = 3000
+        self.sock.connect(endpoint)
+
+    def ask(self, *frames: bytes) -> proto.Reply:
+        self.sock.send_multipart(list(frames))
+        return proto.decode_reply(self.sock.recv_multipart()[:1])
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def _alloc(decoder: KVEngine, n_chunks: int, last: int, **kw) -> proto.AllocChunks:
+    shape = list(decoder.layout.chunk_shape(CHUNK))
+    keys = [k.to_str() for _, _, k in decoder.chunks(prompt(8, (n_chunks - 1) * CHUNK + last))]
+    fields = dict(
+        rid=1,
+        version=proto.PROTOCOL_VERSION,
+        transfer_id="raw",
+        keys=keys,
+        chunk_shape=shape,
+        dtype="float16",
+        fmt=int(decoder.chunk_format),
+        last_tokens=last,
+        deadline=time.time() + 0.2,
+    )
+    fields.update(kw)
+    return proto.AllocChunks(**fields)
+
+
+def test_abandoned_allocation_is_freed_and_cancel_frees_at_once() -> None:
+    decoder = make("receiver", "zmq", seed=None)
+    raw = _Raw(decoder.p2p_endpoint)
+    try:
+        reply = raw.ask(proto.encode(_alloc(decoder, 3, CHUNK // 2)))
+        assert isinstance(reply, proto.AllocChunksReply) and len(reply.slots) == 3
+        assert decoder.pd_receiver.pages == 3 and decoder.pool.used_pages == 3
+        # The "prefiller" goes silent: after its deadline plus the grace, the pages
+        # come back on their own.
+        deadline = time.monotonic() + decoder.config.pd.timeout_s + 3.0
+        while decoder.pd_receiver.pages and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert decoder.pd_receiver.pages == 0 and decoder.pool.used_pages == 0
+        assert metric(decoder, "pd_expired_allocs_total") == 1
+        # A cancelled allocation is freed at once; a commit to it is then refused.
+        reply = raw.ask(proto.encode(_alloc(decoder, 2, CHUNK, rid=2, deadline=0.0)))
+        assert decoder.pool.used_pages == 2
+        cancel = proto.CancelChunks(3, proto.PROTOCOL_VERSION, reply.alloc_id)
+        assert raw.ask(proto.encode(cancel)) == proto.CancelChunksReply(3, True)
+        assert decoder.pool.used_pages == 0
+        commit = proto.CommitChunks(4, proto.PROTOCOL_VERSION, reply.alloc_id, [0, 0])
+        err = raw.ask(proto.encode(commit))
+        assert isinstance(err, proto.ErrorReply)
+        assert err.code == proto.ErrorCode.UNKNOWN_TRANSFER
+    finally:
+        raw.close()
+        decoder.close()
+
+
+def test_bad_checksum_is_rejected_and_never_loaded() -> None:
+    decoder = make("receiver", "zmq", seed=None)
+    raw = _Raw(decoder.p2p_endpoint)
+    try:
+        msg = _alloc(decoder, 2, CHUNK, deadline=0.0)
+        reply = raw.ask(proto.encode(msg))
+        # Write chunk bytes over ZMQ, whole chunks, then commit with wrong sums.
+        frames = [b"\x01" * s.nbytes for s in reply.slots]
+        push = proto.PushChunks(2, proto.PROTOCOL_VERSION, reply.alloc_id, -1, [0, 1])
+        assert isinstance(raw.ask(proto.encode(push), *frames), proto.PushChunksReply)
+        commit = proto.CommitChunks(3, proto.PROTOCOL_VERSION, reply.alloc_id, [1, 2])
+        done = raw.ask(proto.encode(commit))
+        assert done == proto.CommitChunksReply(3, 0, 2)
+        tokens = prompt(8, 2 * CHUNK)
+        assert decoder.lookup(tokens, pin=False) == 0
+        assert decoder.pool.used_pages == 0
+        assert metric(decoder, "pd_rejected_chunks_total") == 2
+    finally:
+        raw.close()
+        decoder.close()
+
+
+def test_malformed_pd_messages_get_error_replies() -> None:
+    decoder = make("receiver", "zmq", seed=None)
+    raw = _Raw(decoder.p2p_endpoint)
+    try:
+        cases = [
+            # wrong layout (another dtype), unknown format, bad last_tokens, no keys
+            (_alloc(decoder, 2, CHUNK, dtype="bfloat16"), proto.ErrorCode.BAD_LAYOUT),
+            (_alloc(decoder, 2, CHUNK, fmt=99), proto.ErrorCode.BAD_LAYOUT),
+            (_alloc(decoder, 2, CHUNK + 1), proto.ErrorCode.BAD_MESSAGE),
+            (_alloc(decoder, 1, CHUNK, keys=[]), proto.ErrorCode.BAD_MESSAGE),
+            (_alloc(decoder, 1, CHUNK, keys=["not-a-key"]), proto.ErrorCode.BAD_KEY),
+            (
+                proto.CommitChunks(1, proto.PROTOCOL_VERSION, 12345, []),
+                proto.ErrorCode.UNKNOWN_TRANSFER,
+            ),
+        ]
+        for msg, code in cases:
+            err = raw.ask(proto.encode(msg))
+            assert isinstance(err, proto.ErrorReply) and err.code == code, (msg, err)
+        reply = raw.ask(proto.encode(_alloc(decoder, 2, CHUNK, deadline=0.0)))
+        # A push whose frame count or sizes do not match: an error, nothing written.
+        push = proto.PushChunks(5, proto.PROTOCOL_VERSION, reply.alloc_id, 0, [0, 1])
+        err = raw.ask(proto.encode(push), b"x")
+        assert isinstance(err, proto.ErrorReply) and err.code == proto.ErrorCode.BAD_MESSAGE
+        err = raw.ask(proto.encode(push), b"x", b"y")
+        assert isinstance(err, proto.ErrorReply) and err.code == proto.ErrorCode.BAD_MESSAGE
+        bad_layer = proto.PushChunks(6, proto.PROTOCOL_VERSION, reply.alloc_id, 99, [0])
+        err = raw.ask(proto.encode(bad_layer), b"x")
+        assert isinstance(err, proto.ErrorReply) and err.code == proto.ErrorCode.BAD_MESSAGE
+        # Not msgpack at all, and an unknown tag.
+        err = raw.ask(b"\xc1garbage")
+        assert isinstance(err, proto.ErrorReply)
+        err = raw.ask(msgspec.msgpack.encode(["alloc_x", 1, 1]))
+        assert isinstance(err, proto.ErrorReply) and err.code == proto.ErrorCode.UNKNOWN_MESSAGE
+        # Still serving: a well-formed request works.
+        assert isinstance(
+            raw.ask(proto.encode(proto.Hello(9, proto.PROTOCOL_VERSION))), proto.HelloReply
+        )
+    finally:
+        raw.close()
+        decoder.close()
+
+
+def test_engine_without_receiver_role_refuses_pd_messages() -> None:
+    cfg = EngineConfig(
+        chunk_size=CHUNK,
+        model_name="pd-test",
+        l1=L1Config(max_size=4 << 20, reserve=0),
+        p2p=P2PConfig(enabled=True, channel="zmq"),
+        close_flush_s=0,
+    )
+    peer = KVEngine("plain", 0, cfg, kv_cache(None))
+    raw = _Raw(peer.p2p_endpoint)
+    try:
+        err = raw.ask(proto.encode(_alloc(peer, 1, CHUNK)))
+        assert isinstance(err, proto.ErrorReply) and err.code == proto.ErrorCode.NOT_RECEIVER
+    finally:
+        raw.close()
+        peer.close()
