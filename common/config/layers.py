@@ -77,6 +77,12 @@ class Layers:
             del self.sources[k]
 
     def source_of(self, path: Key) -> Source:
+        # A list is one leaf: its items (which msgspec names `key[i]`) came from
+        # wherever the list was set.
+        for i, key in enumerate(path):
+            if key.endswith("]") and "[" in key:
+                path = (*path[:i], key.split("[", 1)[0])
+                break
         return self.sources.get(path, DEFAULT)
 
     def value_at(self, path: Key) -> tuple[bool, Any]:

@@ -109,6 +109,11 @@ def config_to_dict(cfg: msgspec.Struct, *, human_sizes: bool = True) -> dict[str
         value = getattr(cfg, name)
         if isinstance(value, msgspec.Struct):
             out[name] = config_to_dict(value, human_sizes=human_sizes)
+        elif isinstance(value, list):  # e.g. the bridge's backends: items may be Structs
+            out[name] = [
+                config_to_dict(v, human_sizes=human_sizes) if isinstance(v, msgspec.Struct) else v
+                for v in value
+            ]
         elif isinstance(value, ByteSize):
             out[name] = format_size(int(value)) if human_sizes else int(value)
         else:

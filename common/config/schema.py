@@ -280,11 +280,65 @@ class CacheServerConfig(_Section):
             )
 
 
+def _check_http_url(field: str, url: str) -> None:
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in ("http", "https") or not rest.split("/", 1)[0]:
+        raise RuleError(field, f"must be an http:// or https:// URL with a host (got {url!r})")
+
+
+class BackendConfig(_Section):
+    """One vLLM OpenAI-compatible server behind the bridge."""
+
+    # The server's base URL, without /v1: http://host:port.
+    url: str = ""
+
+    def __post_init__(self) -> None:
+        _check_http_url("url", self.url)
+
+
+class DecoderConfig(BackendConfig):
+    # The decoder's kvmesh P2P endpoint (engine.p2p) of each rank, in rank order: where
+    # a prefiller pushes the prompt's KV. Empty: this decoder always prefills itself.
+    kv_endpoints: list[str] = []
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for endpoint in self.kv_endpoints:
+            scheme, sep, rest = endpoint.partition("://")
+            if not sep or not scheme or ":" not in rest:
+                raise RuleError(
+                    "kv_endpoints", f"expected scheme://host:port entries (got {endpoint!r})"
+                )
+
+
 class BridgeConfig(_Section):
     host: str = "127.0.0.1"
     port: Port = 7630
     metrics_port: Port = 0
+    # Deadline of the bridge's small calls: backends' /health and /v1/models, and
+    # reading a client's request body.
     request_timeout_s: PositiveSeconds = 5.0
+    prefillers: list[BackendConfig] = []
+    decoders: list[DecoderConfig] = []
+    # The whole prefill call, which returns once the KV has landed on the decoder;
+    # past it the decoder prefills itself.
+    prefill_timeout_s: PositiveSeconds = 30.0
+    # The decoder's first byte, and then each later read of its answer.
+    decode_timeout_s: PositiveSeconds = 60.0
+    # Larger request bodies are refused with 413.
+    max_body_bytes: ByteSize = ByteSize("1MiB")
+    health_interval_s: PositiveSeconds = 2.0
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes == 0:
+            raise RuleError("max_body_bytes", "must be > 0")
+        # Two entries for one server would double its share of requests and split its
+        # in-flight count, which is what picking the least loaded one reads.
+        for name, backends in (("prefillers", self.prefillers), ("decoders", self.decoders)):
+            urls = [b.url.rstrip("/") for b in backends]
+            dup = next((u for u in urls if urls.count(u) > 1), None)
+            if dup is not None:
+                raise RuleError(name, f"lists {dup} more than once")
 
 
 class LoggingConfig(_Section):

@@ -6,9 +6,10 @@
     kvmesh admin pin KEY... [--instance I] [--unpin]
     kvmesh admin health [--instance I]   each worker's own health (chunks, memory)
     kvmesh admin lookup TOKENS [--instance I]   cached prefix (via the lookup-server)
+    kvmesh admin transfers [--bridge URL]        requests in flight through a bridge
 
 Admin commands print one result per worker and exit 1 when any worker failed or
-timed out, 3 when the controller did not answer.
+timed out, 3 when the controller (or the bridge, lookup-server) did not answer.
 """
 
 from __future__ import annotations
@@ -221,3 +222,41 @@ def lookup(ctx: click.Context, tokens: str, instance: str, lookup_url: str, look
         return
     for i in result:
         click.echo(f"{i.instance_id}  hit_tokens={i.hit_tokens} l1_tokens={i.l1_tokens}")
+
+
+@admin.command("transfers")
+@click.option(
+    "--bridge",
+    "bridge_url",
+    envvar="KVMESH_BRIDGE_URL",
+    default="http://127.0.0.1:7630",
+    show_default=True,
+    help="The bridge's HTTP address (env KVMESH_BRIDGE_URL).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def transfers(ctx: click.Context, bridge_url: str, as_json: bool) -> None:
+    """Requests in flight through a bridge: transfer id, prefiller, decoder, phase, age."""
+    from kvmesh.services.bridge.client import BridgeError, BridgeUnavailable, fetch_transfers
+
+    try:
+        infos = asyncio.run(fetch_transfers(bridge_url, ctx.obj["timeout_s"]))
+    except BridgeUnavailable as exc:
+        click.echo(f"error: bridge at {bridge_url} did not answer: {exc}", err=True)
+        sys.exit(EXIT_UNREACHABLE)
+    except BridgeError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_FAILED)
+    if as_json or ctx.obj["json"]:
+        click.echo(json.dumps([msgspec.structs.asdict(i) for i in infos]))
+        return
+    rows = [("TRANSFER", "ENDPOINT", "PHASE", "AGE_S", "PREFILLER", "DECODER", "FALLBACK")]
+    rows += [
+        (i.transfer_id, i.endpoint, i.phase, f"{i.age_s:.3f}", i.prefiller or "-", i.decoder,
+         i.fallback or "-")
+        for i in infos
+    ]  # fmt: skip
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    for r in rows:
+        click.echo("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
+    click.echo(f"{len(infos)} in flight")

@@ -6,6 +6,7 @@ import click
 
 from kvmesh import __version__
 from kvmesh.services.cli.admin_cmd import admin
+from kvmesh.services.cli.bridge_cmd import bridge
 from kvmesh.services.cli.cacheserver_cmd import cacheserver
 from kvmesh.services.cli.config_cmd import config
 from kvmesh.services.cli.controller_cmd import controller
@@ -25,6 +26,7 @@ def serve() -> None:
     """Start a kvmesh service (controller, lookup, cacheserver, bridge)."""
 
 
+serve.add_command(bridge)
 serve.add_command(cacheserver)
 serve.add_command(controller)
 serve.add_command(lookup)

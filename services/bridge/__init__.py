@@ -1,0 +1,1 @@
+"""The bridge: an OpenAI-compatible HTTP proxy for disaggregated prefill (server.py)."""

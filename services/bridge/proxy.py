@@ -1,0 +1,306 @@
+"""One client request through the bridge: pick a decoder and a prefiller, prefill,
+decode, answer.
+
+    client ──POST──▶ bridge ──prefill (max_tokens 1, kv_transfer_params.kvmesh.pd)──▶ prefiller
+                       │          the prefiller pushes the prompt's KV to the decoder and
+                       │          answers once it has landed (or failed)
+                       └──decode (the client's body + pd.transfer_id)──▶ decoder ──▶ client
+
+A failed prefill (refused, non-2xx, past `prefill_timeout_s`) is not the client's
+problem: the decode goes out without `pd` and the decoder prefills itself; the
+fallback is counted by reason and logged. A failed decode is: 502, or 504 past
+`decode_timeout_s`, with an OpenAI-style error body. The decoder's own answer, errors
+included, goes back unchanged: SSE chunk by chunk when it streams, else in one piece.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+import msgspec
+import structlog
+from aiohttp import web
+
+from kvmesh.common.config.schema import BridgeConfig
+from kvmesh.common.observability import get_logger
+from kvmesh.services.bridge.backends import Backend, BackendPool, describe
+from kvmesh.services.bridge.openai import BadRequest, Endpoint, error_json, parse_request
+from kvmesh.services.bridge.rewrite import decode_body, prefill_body
+from kvmesh.services.bridge.stats import BridgeStats
+from kvmesh.services.bridge.transfers import Transfer, TransferTable
+
+log = get_logger(__name__)
+
+PATHS: dict[Endpoint, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+# Client headers worth passing on: a backend started with --api-key needs the key.
+FORWARDED_HEADERS = ("Authorization",)
+SSE = "text/event-stream"
+
+_encoder = msgspec.json.Encoder()
+
+
+def error_response(status: int, message: str, param: str | None = None) -> web.Response:
+    return web.Response(
+        status=status, body=error_json(status, message, param), content_type="application/json"
+    )
+
+
+class Proxy:
+    def __init__(
+        self,
+        config: BridgeConfig,
+        session: aiohttp.ClientSession,
+        prefillers: BackendPool,
+        decoders: BackendPool,
+        transfers: TransferTable,
+        stats: BridgeStats,
+    ) -> None:
+        self.config = config
+        self.session = session
+        self.prefillers = prefillers
+        self.decoders = decoders
+        self.transfers = transfers
+        self.stats = stats
+        self._prefill_timeout = aiohttp.ClientTimeout(total=config.prefill_timeout_s)
+        # No total: a streamed answer may rightly take minutes. Each read (the first
+        # byte, then every next one) has decode_timeout_s.
+        self._decode_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=config.decode_timeout_s, sock_read=config.decode_timeout_s
+        )
+
+    async def serve(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        try:
+            body = parse_request(await self._read_body(request), endpoint)
+        except BadRequest as exc:
+            self.stats.request(endpoint, "bad_request")
+            log.info("request refused", endpoint=endpoint, status=exc.status, error=str(exc))
+            return error_response(exc.status, str(exc), exc.param)
+        decoder = self.decoders.pick(include_down=True)
+        if decoder is None:
+            self.stats.request(endpoint, "no_decoder")
+            return error_response(503, "the bridge has no decoder configured")
+        prefiller, reason = self._choose_prefiller(decoder)
+        transfer = Transfer(
+            uuid.uuid4().hex,
+            endpoint,
+            prefiller.url if prefiller else "",
+            decoder.url,
+            bool(body.get("stream")),
+        )
+        with structlog.contextvars.bound_contextvars(transfer_id=transfer.transfer_id):
+            self.transfers.add(transfer)
+            try:
+                with decoder.busy():
+                    return await self._run(
+                        request, endpoint, body, transfer, prefiller, decoder, reason
+                    )
+            except asyncio.CancelledError:
+                self.stats.request(endpoint, "cancelled")
+                log.info("client went away", phase=transfer.phase)
+                raise
+            finally:
+                self.transfers.remove(transfer.transfer_id)
+
+    def _choose_prefiller(self, decoder: Backend) -> tuple[Backend | None, str]:
+        """The prefiller, or why there is none to use."""
+        if not self.prefillers.backends:
+            return None, "no_prefiller"
+        if not decoder.kv_endpoints:
+            return None, "no_kv_endpoints"
+        # A prefiller known to be down would cost each request a failed call (up to
+        # prefill_timeout_s); the health checks bring it back.
+        prefiller = self.prefillers.pick(include_down=False)
+        return prefiller, "" if prefiller else "prefiller_down"
+
+    async def _run(
+        self,
+        request: web.Request,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        transfer: Transfer,
+        prefiller: Backend | None,
+        decoder: Backend,
+        reason: str,
+    ) -> web.StreamResponse:
+        headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
+        headers["Content-Type"] = "application/json"
+        headers["X-Request-Id"] = transfer.transfer_id
+        if prefiller is not None:
+            reason = await self._prefill(endpoint, body, transfer, prefiller, decoder, headers)
+        elif reason:
+            # Without prefillers (or endpoints) in the config, every request is one of
+            # these: not worth a warning each.
+            log_at = log.debug if reason in ("no_prefiller", "no_kv_endpoints") else log.warning
+            log_at("decoding without a prefill", reason=reason, decoder=decoder.url)
+        if reason:
+            transfer.fallback = reason
+            self.stats.fallbacks[reason].inc()
+        transfer.phase = "decode"
+        tid = None if reason else transfer.transfer_id
+        data = _encoder.encode(decode_body(body, tid))
+        return await self._decode(request, endpoint, decoder, data, headers)
+
+    async def _prefill(
+        self,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        transfer: Transfer,
+        prefiller: Backend,
+        decoder: Backend,
+        headers: dict[str, str],
+    ) -> str:
+        """Run the prefill; "" when it succeeded, else the fallback reason."""
+        data = _encoder.encode(
+            prefill_body(
+                body,
+                chat=endpoint == "chat",
+                transfer_id=transfer.transfer_id,
+                endpoints=decoder.kv_endpoints,
+            )
+        )
+        reason = detail = ""
+        t0 = time.perf_counter()
+        with prefiller.busy():
+            try:
+                async with self.session.post(
+                    prefiller.url + PATHS[endpoint],
+                    data=data,
+                    headers=headers,
+                    timeout=self._prefill_timeout,
+                ) as resp:
+                    answer = await resp.read()
+                    prefiller.mark(True)
+                    if not 200 <= resp.status < 300:
+                        reason = "status"
+                        detail = f"{resp.status}: {answer[:300].decode(errors='replace')}"
+            except TimeoutError:
+                # Not marked down: a busy prefiller is slow, not gone.
+                reason, detail = "timeout", f"no answer in {self.config.prefill_timeout_s}s"
+            except aiohttp.ClientConnectorError as exc:
+                reason, detail = "connect", describe(exc)
+                prefiller.mark(False, detail)
+            except aiohttp.ClientError as exc:
+                reason, detail = "error", describe(exc)
+        seconds = time.perf_counter() - t0
+        (self.stats.prefill_failed if reason else self.stats.prefill_ok).observe(seconds)
+        if reason:
+            log.warning(
+                "prefill failed, the decoder prefills itself", reason=reason,
+                prefiller=prefiller.url, decoder=decoder.url, error=detail,
+                seconds=round(seconds, 4),
+            )  # fmt: skip
+        return reason
+
+    async def _decode(
+        self,
+        request: web.Request,
+        endpoint: Endpoint,
+        decoder: Backend,
+        data: bytes,
+        headers: dict[str, str],
+    ) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        try:
+            resp = await self.session.post(
+                decoder.url + PATHS[endpoint],
+                data=data,
+                headers=headers,
+                timeout=self._decode_timeout,
+            )
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            if isinstance(exc, aiohttp.ClientConnectorError):
+                decoder.mark(False, describe(exc))
+            return self._decode_failed(endpoint, decoder, exc)
+        decoder.mark(True)
+        async with resp:
+            outcome = "ok" if 200 <= resp.status < 300 else "decoder_status"
+            content_type = resp.headers.get("Content-Type", "application/json")
+            if resp.content_type != SSE:
+                try:
+                    answer = await resp.read()
+                except (TimeoutError, aiohttp.ClientError) as exc:
+                    return self._decode_failed(endpoint, decoder, exc)
+                self.stats.decode_ttfb.observe(time.perf_counter() - t0)
+                self.stats.request(endpoint, outcome)
+                return web.Response(
+                    status=resp.status, body=answer, headers={"Content-Type": content_type}
+                )
+            return await self._stream(request, endpoint, decoder, resp, t0, outcome)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        endpoint: Endpoint,
+        decoder: Backend,
+        resp: aiohttp.ClientResponse,
+        t0: float,
+        outcome: str,
+    ) -> web.StreamResponse:
+        chunks = resp.content.iter_any()
+        # The client's headers wait for the decoder's first chunk: until then a
+        # failure can still be a proper 502/504.
+        try:
+            first = await anext(chunks, b"")
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            return self._decode_failed(endpoint, decoder, exc)
+        self.stats.decode_ttfb.observe(time.perf_counter() - t0)
+        content_type = resp.headers.get("Content-Type", SSE)
+        out = web.StreamResponse(
+            status=resp.status, headers={"Content-Type": content_type, "Cache-Control": "no-cache"}
+        )
+        await out.prepare(request)
+        try:
+            if first:
+                await out.write(first)
+            async for chunk in chunks:
+                await out.write(chunk)
+        except ConnectionResetError:
+            # The client went away; leaving `async with resp` drops the decoder's
+            # connection, which makes vLLM abort the request.
+            self.stats.request(endpoint, "cancelled")
+            log.info("client went away while streaming")
+            return out
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            # The status line is gone: say it in the stream, as vLLM does.
+            status, outcome, message = self._failure(decoder, exc)
+            log.warning("decoder failed while streaming", decoder=decoder.url, error=message)
+            with contextlib.suppress(ConnectionResetError):
+                await out.write(b"data: " + error_json(status, message) + b"\n\n")
+        self.stats.request(endpoint, outcome)
+        with contextlib.suppress(ConnectionResetError):
+            await out.write_eof()
+        return out
+
+    def _decode_failed(
+        self, endpoint: Endpoint, decoder: Backend, exc: BaseException
+    ) -> web.Response:
+        status, outcome, message = self._failure(decoder, exc)
+        self.stats.request(endpoint, outcome)
+        log.warning("decode failed", decoder=decoder.url, status=status, error=message)
+        return error_response(status, message)
+
+    def _failure(self, decoder: Backend, exc: BaseException) -> tuple[int, str, str]:
+        if isinstance(exc, TimeoutError):
+            message = f"the decoder {decoder.url} sent nothing for {self.config.decode_timeout_s}s"
+            return 504, "decoder_timeout", message
+        return 502, "decoder_failed", f"the decoder {decoder.url} failed: {describe(exc)}"
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = int(self.config.max_body_bytes)
+        too_large = f"the request body is over the bridge's limit of {limit} bytes"
+        if request.content_length is not None and request.content_length > limit:
+            raise BadRequest(413, f"{too_large} ({request.content_length} bytes)")
+        try:
+            async with asyncio.timeout(self.config.request_timeout_s):
+                return await request.read()
+        except web.HTTPRequestEntityTooLarge:  # a chunked body, without a length
+            raise BadRequest(413, too_large) from None
+        except TimeoutError:
+            raise BadRequest(
+                408, f"the request body did not arrive within {self.config.request_timeout_s}s"
+            ) from None

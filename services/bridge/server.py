@@ -1,0 +1,238 @@
+"""The bridge: an OpenAI-compatible HTTP proxy for disaggregated prefill (aiohttp).
+
+    POST /v1/completions, /v1/chat/completions   prefill on a prefiller, decode on a
+                                                 decoder (proxy.py)
+    GET  /v1/models      a healthy decoder's answer
+    GET  /health         200 with each backend's state while a decoder answers its
+                         /health, else 503
+    GET  /metrics        Prometheus text (kvmesh_bridge_*)
+    GET  /transfers      the requests in flight (transfers.py)
+
+One process, one event loop, one aiohttp ClientSession (a connection pool shared by
+every outgoing call, each with its own deadline). A background task checks every
+backend's /health each `health_interval_s`. With `metrics_port` set, /metrics and
+/health are also served on that port (for a scraper kept off the client-facing one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvmesh.common.config.schema import BridgeConfig
+from kvmesh.common.observability import get_logger
+from kvmesh.services.bridge.backends import Backend, BackendPool, describe, probe_all
+from kvmesh.services.bridge.openai import error_json
+from kvmesh.services.bridge.proxy import Proxy, error_response
+from kvmesh.services.bridge.stats import BridgeStats
+from kvmesh.services.bridge.transfers import TransferTable
+
+log = get_logger(__name__)
+
+# Outgoing connections, all backends together: beyond it calls wait for a free one.
+POOL_CONNECTIONS = 1024
+# On stop, requests in flight get this long to finish before they are cancelled.
+STOP_GRACE_S = 5.0
+
+
+class BridgeServer:
+    """Build with a config, `await start()`, then `await wait_closed()` or `stop()`."""
+
+    def __init__(self, config: BridgeConfig) -> None:
+        self.config = config
+        self.stats = BridgeStats()
+        self.prefillers = BackendPool(
+            [Backend("prefiller", b.url, stats=self.stats) for b in config.prefillers]
+        )
+        self.decoders = BackendPool(
+            [Backend("decoder", d.url, d.kv_endpoints, stats=self.stats) for d in config.decoders]
+        )
+        self.transfers = TransferTable()
+        self.started = time.monotonic()
+        self.port = 0
+        self.metrics_port = 0
+        self._session: aiohttp.ClientSession | None = None
+        self._runners: list[web.AppRunner] = []
+        self._health_task: asyncio.Task | None = None
+        self._probe: asyncio.Task | None = None
+        self._stopped = asyncio.Event()
+        self._closed = asyncio.Event()
+        self.proxy: Proxy | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.config
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=POOL_CONNECTIONS, limit_per_host=0),
+            # Answers are decompressed (if a backend compressed them) and go out plain.
+            # No HTTP proxy from the environment: backends are addressed directly.
+            trust_env=False,
+        )
+        self.proxy = Proxy(
+            cfg, self._session, self.prefillers, self.decoders, self.transfers, self.stats
+        )
+        app = web.Application(client_max_size=int(cfg.max_body_bytes), middlewares=[_errors])
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        self._add_probes(app)
+        app.router.add_get("/transfers", self._transfers)
+        self.port = await self._listen(app, cfg.port)
+        if cfg.metrics_port:
+            probes = web.Application(middlewares=[_errors])
+            self._add_probes(probes)
+            self.metrics_port = await self._listen(probes, cfg.metrics_port)
+        self._health_task = asyncio.create_task(self._health_loop(), name="bridge-health")
+        log.info(
+            "bridge ready",
+            port=self.port,
+            metrics_port=self.metrics_port or None,
+            prefillers=[b.url for b in self.prefillers.backends],
+            decoders=[b.url for b in self.decoders.backends],
+        )
+
+    async def _listen(self, app: web.Application, port: int) -> int:
+        # handler_cancellation: a lost client's handler is cancelled, which closes the
+        # backend connection and so aborts the request there too.
+        runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=STOP_GRACE_S
+        )
+        await runner.setup()
+        site = web.TCPSite(runner, self.config.host, port, reuse_address=True)
+        await site.start()
+        self._runners.append(runner)
+        return runner.addresses[0][1]
+
+    def _add_probes(self, app: web.Application) -> None:
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+
+    async def stop(self) -> None:
+        """Stop listening, let requests in flight finish (up to a grace period), then
+        close the client session."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        for task in (self._health_task, self._probe):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        for runner in self._runners:
+            await runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+        log.info("bridge stopped")
+        self._closed.set()
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+    # -- health -------------------------------------------------------------------------
+    async def _health_loop(self) -> None:
+        while True:
+            try:
+                await self.refresh_health()
+            except Exception:  # a bug here must not end the checks for good
+                log.exception("health check failed")
+            await asyncio.sleep(self.config.health_interval_s)
+
+    async def refresh_health(self) -> None:
+        """Check every backend now; callers arriving while a check runs share it."""
+        if self._probe is None or self._probe.done():
+            assert self._session is not None
+            backends = [*self.prefillers.backends, *self.decoders.backends]
+            timeout = min(self.config.request_timeout_s, self.config.health_interval_s)
+            self._probe = asyncio.create_task(probe_all(self._session, backends, timeout))
+        # shield: one caller going away must not cancel the check the others wait on.
+        await asyncio.shield(self._probe)
+
+    def health_report(self) -> dict[str, Any]:
+        return {
+            "status": "ok" if self.decoders.any_up() else "unavailable",
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "inflight": len(self.transfers),
+            "decoders": [b.report() for b in self.decoders.backends],
+            "prefillers": [b.report() for b in self.prefillers.backends],
+        }
+
+    # -- handlers -----------------------------------------------------------------------
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        assert self.proxy is not None
+        return await self.proxy.serve(request, "completions")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        assert self.proxy is not None
+        return await self.proxy.serve(request, "chat")
+
+    async def _health(self, request: web.Request) -> web.Response:
+        await self.refresh_health()
+        report = self.health_report()
+        return web.json_response(report, status=200 if report["status"] == "ok" else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self.stats.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    async def _transfers(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=msgspec.json.encode(self.transfers.snapshot()), content_type="application/json"
+        )
+
+    async def _models(self, request: web.Request) -> web.Response:
+        """The first decoder (healthy ones first) that answers; its answer as it is."""
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
+        headers = {h: request.headers[h] for h in ("Authorization",) if h in request.headers}
+        errors = []
+        for decoder in self.decoders.by_preference():
+            try:
+                async with self._session.get(
+                    decoder.url + "/v1/models", headers=headers, timeout=timeout
+                ) as resp:
+                    body = await resp.read()
+                    decoder.mark(True)
+                    content_type = resp.headers.get("Content-Type", "application/json")
+                    self.stats.request("models", "ok" if resp.status == 200 else "decoder_status")
+                    return web.Response(
+                        status=resp.status, body=body, headers={"Content-Type": content_type}
+                    )
+            except TimeoutError:
+                errors.append(f"{decoder.url}: no answer in {self.config.request_timeout_s}s")
+            except aiohttp.ClientError as exc:
+                if isinstance(exc, aiohttp.ClientConnectorError):
+                    decoder.mark(False, describe(exc))
+                errors.append(f"{decoder.url}: {describe(exc)}")
+        self.stats.request("models", "decoder_failed" if errors else "no_decoder")
+        message = "no decoder answered: " + "; ".join(errors) if errors else "no decoder configured"
+        return error_response(502 if errors else 503, message)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every error the bridge itself answers has the OpenAI shape, unknown paths and
+    its own bugs included."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return web.Response(
+            status=exc.status,
+            body=error_json(exc.status, f"{request.method} {request.path}: {exc.reason}"),
+            content_type="application/json",
+            headers={k: v for k, v in exc.headers.items() if k == "Allow"},
+        )
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # a bug: answer, log, keep serving
+        log.exception("handler failed", path=request.path)
+        return error_response(500, f"internal error in the bridge: {describe(exc)}")
