@@ -20,7 +20,7 @@ import torch
 from kvmesh.common.config import EngineConfig
 from kvmesh.common.keys import ChunkKey, KeyNamespace
 from kvmesh.common.memory import HostMemoryPool, MemoryFormat, MemoryObj
-from kvmesh.common.observability import get_logger
+from kvmesh.common.observability import get_logger, serve_metrics
 from kvmesh.common.tokendb import ChunkedTokenDatabase
 from kvmesh.common.transport.channel import TransferChannel, make_channel
 from kvmesh.gpu_ext import make_copier
@@ -147,6 +147,10 @@ class KVEngine:
         if channel is not None and (with_p2p or self.pd_receiver is not None):
             attach_p2p_server(self, channel)
         self.pins = LookupPins(self.storage.unpin, config.pin_timeout_s)
+        if config.metrics_port:
+            # Rank r on port + r: every worker of a host has its own endpoint.
+            metrics = serve_metrics(self.stats.metrics, config.metrics_port + rank)
+            self.add_close_hook(metrics.shutdown)
         self._mla = MLABroadcast(mla_group, rank) if self.is_mla and world_size > 1 else None
         self._prefetches: dict[str, concurrent.futures.Future[int]] = {}
         self.loop.submit(self._expire_pins_forever())

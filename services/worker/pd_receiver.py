@@ -315,6 +315,9 @@ class PdReceiver:
         return sum(self.drop(i) for i in [i for i in self._held if i not in pins])
 
     def _gauges(self) -> None:
+        stats = self.engine.stats
+        stats.l1_used.set(self.engine.pool.used_bytes)
+        stats.l1_chunks.set(len(self.engine.storage.l1))
         self._inflight.set(len(self._inbound))
         self._inflight_pages.set(self._pages)
         self._holding.set(len(self._held))

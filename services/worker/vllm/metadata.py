@@ -32,13 +32,16 @@ class LoadOp:
 @dataclass
 class SaveOp:
     """Store the chunks of tokens[skip:] from the request's blocks (skip: tokens
-    already saved by an earlier step, a multiple of the chunk size)."""
+    already saved by an earlier step, a multiple of the chunk size). With pd_transfer,
+    push them to the decoder at pd_endpoints[rank] (and store them here too)."""
 
     req_id: str
     tokens: torch.Tensor
     block_ids: list[int]
     skip: int = 0
     tenant: str = ""
+    pd_transfer: str = ""
+    pd_endpoints: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -19,6 +19,9 @@ kv_transfer_params of a request may carry `{"kvmesh": {...}}`:
     skip_load   bool  do not look up or load cached KV for it
     tenant      str   a tenant salt: its chunks are shared only with requests of the
                       same tenant
+    pd          {"transfer_id": str, "endpoints": [str]}   disaggregated prefill (set
+                      by the bridge): with endpoints, push this prompt's KV to that
+                      decoder; without, the KV of that transfer was pushed here
 
 A request whose kvmesh params do not decode is served without the cache (neither
 loaded nor saved): a typo in a tenant name must not leak another tenant's KV.
@@ -46,10 +49,23 @@ class ConnectorOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     lookup_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 0.5
 
 
+class PdParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Disaggregated prefill, as the bridge sets it: on the prefill request, where to
+    push the KV (the decoder's P2P endpoint per rank); on the decode request, the
+    transfer alone (its chunks are pinned on the decoder until the request ends)."""
+
+    transfer_id: Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[\w.-]+$")]
+    endpoints: Annotated[
+        list[Annotated[str, msgspec.Meta(pattern=r"^tcp://[^\s]+:\d+$")]],
+        msgspec.Meta(max_length=64),
+    ] = []
+
+
 class RequestOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     skip_save: bool = False
     skip_load: bool = False
     tenant: str = ""
+    pd: PdParams | None = None
 
     def __post_init__(self) -> None:
         check_tenant(self.tenant)

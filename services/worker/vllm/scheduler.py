@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvmesh.common.config import EngineConfig
 from kvmesh.services.worker.lookup_client import LookupClient
+from kvmesh.services.worker.pd_receiver import hold_id
 from kvmesh.services.worker.vllm.metadata import (
     KvmeshConnectorMetadata,
     LoadOp,
@@ -45,6 +46,7 @@ class _Req:
     load_end: int = 0  # > 0 while a load waits for build_connector_meta
     external: int = 0  # tokens vLLM counted as loaded from kvmesh
     saved_upto: int = 0  # prompt tokens whose chunks are saved or planned
+    pushed_upto: int = 0  # PD prefill: prompt tokens whose chunks are pushed or planned
     block_ids: list[int] = field(default_factory=list)
 
 
@@ -163,13 +165,32 @@ class SchedulerSide:
                 )
             )
             st.load_end = 0
-        if not (self.can_save and st.cacheable and not st.options.skip_save):
-            return
         prompt_len = st.request.num_prompt_tokens
         end = min(computed + scheduled.get(req_id, 0), prompt_len)
         target = end // self.chunk * self.chunk
-        if self.config.save_unfull_chunk and end == prompt_len:
+        if self.config.keys_partial_chunk and end == prompt_len:
             target = end
+        pd = st.options.pd
+        if pd is not None and pd.endpoints and st.cacheable:
+            # A prefill for a decoder: push every prompt chunk, those vLLM or kvmesh
+            # already had included (the decoder has none of them); the push stores
+            # them here too.
+            if target > st.pushed_upto:
+                meta.saves.append(
+                    SaveOp(
+                        req_id,
+                        token_tensor(tokens[:target]),
+                        list(st.block_ids),
+                        st.pushed_upto,
+                        st.options.tenant,
+                        pd.transfer_id,
+                        list(pd.endpoints),
+                    )
+                )
+                st.pushed_upto = target
+            return
+        if not (self.can_save and st.cacheable and not st.options.skip_save):
+            return
         if target > st.saved_upto:
             meta.saves.append(
                 SaveOp(
@@ -189,6 +210,10 @@ class SchedulerSide:
         if st.hit:
             # Pins not consumed by a load (aborted, preempted, never scheduled).
             self.client.release(request.request_id)
+        pd = st.options.pd
+        if pd is not None and not pd.endpoints:
+            # The decoder's vLLM is done with what the prefiller pushed: unpin it.
+            self.client.release(hold_id(pd.transfer_id))
         return False, {RESULT_KEY: {"hit_tokens": st.external, "saved_tokens": st.saved_upto}}
 
     def close(self) -> None:

@@ -24,8 +24,14 @@ from kvmesh.common.config import EngineConfig
 from kvmesh.services.worker.builder import destroy_engine, get_engine, get_or_create_engine
 from kvmesh.services.worker.engine import KVEngine
 from kvmesh.services.worker.lookup_server import attach_lookup_server
+from kvmesh.services.worker.pd_sender import PdTarget, push_layers
 from kvmesh.services.worker.vllm.kv_events import EventTranslator, KvmeshKVEvents
-from kvmesh.services.worker.vllm.metadata import KvmeshConnectorMetadata, LoadOp, slot_mapping
+from kvmesh.services.worker.vllm.metadata import (
+    KvmeshConnectorMetadata,
+    LoadOp,
+    SaveOp,
+    slot_mapping,
+)
 
 log = logging.getLogger("kvmesh.connector.worker")
 
@@ -160,10 +166,7 @@ class WorkerSide:
             self._saves = []
             for op in meta.saves:
                 try:
-                    slots = slot_mapping(op.block_ids, self.block_size, len(op.tokens))
-                    gen = engine.store_layer(
-                        op.tokens, slots, self._mask(op.skip, len(op.tokens)), tenant=op.tenant
-                    )
+                    gen = self._save_gen(engine, op, layerwise=True)
                 except Exception:
                     log.exception("kvmesh save of %s not started", op.req_id)
                     continue
@@ -185,9 +188,14 @@ class WorkerSide:
             return
         for op in meta.saves:
             try:
-                slots = slot_mapping(op.block_ids, self.block_size, len(op.tokens))
-                mask = self._mask(op.skip, len(op.tokens))
-                engine.store(op.tokens, slots, mask, tenant=op.tenant)
+                if op.pd_transfer:
+                    for _ in self._save_gen(engine, op, layerwise=False):
+                        pass
+                else:
+                    slots = slot_mapping(op.block_ids, self.block_size, len(op.tokens))
+                    engine.store(
+                        op.tokens, slots, self._mask(op.skip, len(op.tokens)), tenant=op.tenant
+                    )
                 self._note_saved(op)
             except Exception:
                 log.exception("kvmesh save of %s failed", op.req_id)
@@ -214,6 +222,20 @@ class WorkerSide:
         self.engine = None
 
     # -- helpers ------------------------------------------------------------------------
+    def _save_gen(
+        self, engine: KVEngine, op: SaveOp, *, layerwise: bool
+    ) -> Generator[int, None, int]:
+        """The generator that stores op (or, for a PD prefill, pushes it to the decoder
+        and stores it), stepped once per layer."""
+        slots = slot_mapping(op.block_ids, self.block_size, len(op.tokens))
+        mask = self._mask(op.skip, len(op.tokens))
+        if not op.pd_transfer:
+            return engine.store_layer(op.tokens, slots, mask, tenant=op.tenant)
+        # Rank r of the prefiller writes to rank r of the decoder.
+        endpoint = op.pd_endpoints[self.rank % len(op.pd_endpoints)]
+        target = PdTarget(op.pd_transfer, endpoint)
+        return push_layers(engine, op.tokens, slots, mask, target, op.tenant, layerwise=layerwise)
+
     @staticmethod
     def _mask(skip: int, n: int) -> torch.Tensor | None:
         if not skip:
