@@ -132,12 +132,15 @@ class PushChunks(wire.Message, tag="push"):
 
 
 class CommitChunks(wire.Message, tag="commit"):
-    """PD: every layer is written; checksums[i] is the xxh3-64 of chunk i."""
+    """PD: every layer of the chunks listed (by index; empty: all still uncommitted) is
+    written; checksums[i] is the xxh3-64 of chunks[i]. The allocation ends with the
+    commit of its last chunk."""
 
     rid: int
     version: int
     alloc_id: int
     checksums: list[int]
+    chunks: list[int] = []
 
 
 class CancelChunks(wire.Message, tag="cancel"):
@@ -224,7 +227,7 @@ Reply = (
 
 
 def _check_request(msg: Request) -> tuple[ErrorCode, str] | None:
-    if isinstance(msg, PushChunks) and len(msg.chunks) > MAX_KEYS:
+    if isinstance(msg, PushChunks | CommitChunks) and len(msg.chunks) > MAX_KEYS:
         return ErrorCode.BAD_MESSAGE, f"more than {MAX_KEYS} chunks"
     if isinstance(msg, ReadChunks | PinChunks | AllocChunks):
         if len(msg.keys) > MAX_KEYS:

@@ -20,7 +20,6 @@ Everything here runs on the engine's event loop (the P2P server calls it).
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 from collections.abc import Sequence
@@ -29,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvmesh.common.chunk_codec import dtype_name, payload_checksum
+from kvmesh.common.chunk_codec import chunk_checksums, dtype_name
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import MemoryFormat, MemoryObj
 from kvmesh.common.observability import get_logger
@@ -64,7 +63,7 @@ class _Inbound:
     keys: list[ChunkKey]
     objs: list[MemoryObj | None]  # None: the chunk is here already, nothing to write
     expires: float  # monotonic
-    pages: int
+    pending: set[int]  # indices of the buffers awaiting their commit
 
 
 class PdReceiver:
@@ -151,8 +150,9 @@ class PdReceiver:
             objs.append(obj)
         deadline = _monotonic_deadline(msg.deadline, e.config.pd.timeout_s)
         alloc_id = next(self._ids)
+        pending = {i for i, o in enumerate(objs) if o is not None}
         self._inbound[alloc_id] = _Inbound(
-            msg.transfer_id, keys, objs, deadline + self.grace_s, need
+            msg.transfer_id, keys, objs, deadline + self.grace_s, pending
         )
         self._pages += need
         self._gauges()
@@ -171,6 +171,8 @@ class PdReceiver:
             obj = inbound.objs[index]
             if obj is None:
                 continue
+            if index not in inbound.pending:  # committed: it may be in L1 already
+                raise PdRefused(proto.ErrorCode.BAD_MESSAGE, f"chunk {index} is committed")
             raw = obj.raw.numpy()
             try:
                 regions = layer_regions(obj, msg.layer)
@@ -191,32 +193,33 @@ class PdReceiver:
 
     async def commit(self, msg: proto.CommitChunks) -> proto.CommitChunksReply:
         inbound = self._get(msg.alloc_id)
-        if len(msg.checksums) != len(inbound.keys):
+        indices = list(msg.chunks) if msg.chunks else sorted(inbound.pending)
+        if len(msg.checksums) != len(indices):
             raise PdRefused(
                 proto.ErrorCode.BAD_MESSAGE,
-                f"{len(msg.checksums)} checksums for {len(inbound.keys)} chunks",
+                f"{len(msg.checksums)} checksums for {len(indices)} chunks",
             )
-        del self._inbound[msg.alloc_id]  # from here on the buffers are ours to place
-        self._pages -= inbound.pages
-        todo = [(o, s) for o, s in zip(inbound.objs, msg.checksums, strict=True) if o is not None]
-        # xxh3 of megabytes of KV: not on the loop.
-        ok = await asyncio.to_thread(
-            lambda: [payload_checksum(memoryview(o.raw.numpy())) == s for o, s in todo]
-        )
-        verdict = iter(ok)
+        if len(set(indices)) != len(indices) or not inbound.pending.issuperset(indices):
+            raise PdRefused(proto.ErrorCode.BAD_MESSAGE, "chunks not awaiting a commit")
+        # From here on these buffers are ours to place (expiry and cancel skip them).
+        inbound.pending.difference_update(indices)
+        self._pages -= len(indices)
+        if not inbound.pending:
+            del self._inbound[msg.alloc_id]
+        todo = [(i, inbound.objs[i], s) for i, s in zip(indices, msg.checksums, strict=True)]
+        sums = await chunk_checksums([o for _, o, _ in todo])
         l1 = self.engine.storage.l1
         events = self.engine.events
         committed = rejected = 0
         present: list[ChunkKey] = []
         received: list[ChunkKey] = []
-        for key, obj, checksum in zip(inbound.keys, inbound.objs, msg.checksums, strict=True):
-            if obj is None:
-                present.append(key)
-                continue
-            if not next(verdict):
+        for (i, obj, checksum), got in zip(todo, sums, strict=True):
+            assert obj is not None
+            if got != checksum:
                 rejected += 1
                 obj.ref_down()
                 continue
+            key = inbound.keys[i]
             obj.checksum = checksum
             obj.key = key
             nbytes = obj.nbytes
@@ -226,6 +229,8 @@ class PdReceiver:
             committed += 1
             self._bytes.inc(nbytes)
             present.append(key)
+        if not inbound.pending:  # the last commit also holds what the decoder had
+            present += [k for k, o in zip(inbound.keys, inbound.objs, strict=True) if o is None]
         self._committed.inc(committed)
         self._rejected.inc(rejected)
         if rejected:
@@ -273,10 +278,12 @@ class PdReceiver:
         return inbound
 
     def _free(self, inbound: _Inbound) -> None:
-        for obj in inbound.objs:
-            if obj is not None:
-                obj.ref_down()
-        self._pages -= inbound.pages
+        for i in inbound.pending:
+            obj = inbound.objs[i]
+            assert obj is not None
+            obj.ref_down()
+        self._pages -= len(inbound.pending)
+        inbound.pending.clear()
         self._gauges()
 
     def _hold(self, transfer_id: str, keys: list[ChunkKey], received: list[ChunkKey]) -> None:

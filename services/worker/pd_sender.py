@@ -5,8 +5,9 @@
 KV into L1 buffers and hands it to a coroutine on the engine loop, which writes it
 into the buffers the decoder allocated (one NIXL WRITE per layer, or a `PushChunks`
 message over ZMQ). So layer i travels while the model computes layer i+1. The
-allocation request goes out before layer 0 is copied; the commit (each chunk's
-xxh3, which the decoder verifies) after the last layer.
+allocation request goes out before layer 0 is copied. The last layer (or, without
+layerwise, the whole chunks) is written in groups, and each group is committed (each
+chunk's xxh3, which the decoder verifies) while the next group is written.
 
 The worker waits for the commit, with the deadline `pd.timeout_s`, before vLLM
 finishes the prefill step, so when the prefill's HTTP answer reaches the bridge the KV
@@ -26,12 +27,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvmesh.common.chunk_codec import dtype_name, payload_checksum
+from kvmesh.common.chunk_codec import chunk_checksums, dtype_name
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import MemoryObj
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import p2p as proto
-from kvmesh.common.transport.channel import PeerError, TransferChannel
+from kvmesh.common.transport.channel import PeerError, Piece, TransferChannel
 from kvmesh.common.transport.chunk_regions import WHOLE, token_axis
 from kvmesh.services.worker.tiers.host import AllocationError
 
@@ -39,6 +40,10 @@ if TYPE_CHECKING:
     from kvmesh.services.worker.engine import KVEngine
 
 log = get_logger(__name__)
+
+# The last write goes in up to this many groups, so the decoder verifies one group while
+# the next is written.
+GROUPS = 8
 
 
 @dataclass(frozen=True)
@@ -149,36 +154,58 @@ class _Push:
             if slot.nbytes != x.obj.nbytes:
                 raise PeerError(f"decoder buffer of {slot.nbytes} bytes for {x.obj.nbytes}")
             pieces.append((i, x.obj, slot.addr))
-        while True:
-            layer = await asyncio.wait_for(self.layers.get(), self._left())
-            if layer is None:
-                break
-            if pieces:
-                await ch.write(self.target.endpoint, reply.alloc_id, layer, pieces, self._left())
+        last_layer = e.layout.num_layers - 1
+        commits: list[asyncio.Task[proto.Reply]] = []
+        try:
+            while True:
+                layer = await asyncio.wait_for(self.layers.get(), self._left())
+                if layer is None:
+                    break
+                if layer not in (last_layer, WHOLE):
+                    if pieces:
+                        await ch.write(
+                            self.target.endpoint, reply.alloc_id, layer, pieces, self._left()
+                        )
+                    continue
+                # Every byte is in place: write the rest in groups, each committed (and
+                # verified by the decoder) while the next group is written.
+                for group in _groups(pieces):
+                    await ch.write(self.target.endpoint, reply.alloc_id, layer, group, self._left())
+                    commits.append(asyncio.create_task(self._commit(reply.alloc_id, group)))
+            if not pieces:  # the decoder had every chunk: commit holds them for us
+                commits.append(asyncio.create_task(self._commit(reply.alloc_id, [])))
+            done = await asyncio.wait_for(asyncio.gather(*commits), self._left())
+        finally:
+            for task in commits:
+                task.cancel()
+        self.alloc_id = 0  # committed: nothing left to cancel
         self.sent_bytes = sum(obj.nbytes for _, obj, _ in pieces)
-        unsummed = [x.obj for x in self.entries if x.obj.checksum is None]
+        rejected = 0
+        for answer in done:
+            if not isinstance(answer, proto.CommitChunksReply):
+                raise PeerError(f"unexpected reply to commit: {type(answer).__name__}")
+            rejected += answer.rejected
+        if rejected:
+            raise PeerError(f"decoder rejected {rejected} chunks (checksum)")
+        return self.entries[-1].end
+
+    async def _commit(self, alloc_id: int, group: Sequence[Piece]) -> proto.Reply:
+        """Hash the group's chunks (once: the sum stays on the chunk) and commit them."""
+        unsummed = [obj for _, obj, _ in group if obj.checksum is None]
         if unsummed:
-            sums = await asyncio.to_thread(
-                lambda: [payload_checksum(memoryview(o.raw.numpy())) for o in unsummed]
-            )
-            for obj, s in zip(unsummed, sums, strict=True):
+            for obj, s in zip(unsummed, await chunk_checksums(unsummed), strict=True):
                 obj.checksum = s
-        done = await ch.call(
+        return await self.sender.channel.call(
             self.target.endpoint,
             lambda rid: proto.CommitChunks(
                 rid,
                 proto.PROTOCOL_VERSION,
-                reply.alloc_id,
-                [int(x.obj.checksum or 0) for x in self.entries],
+                alloc_id,
+                [int(obj.checksum or 0) for _, obj, _ in group],
+                [i for i, _, _ in group],
             ),
             self._left(),
         )
-        self.alloc_id = 0  # committed: nothing left to cancel
-        if not isinstance(done, proto.CommitChunksReply):
-            raise PeerError(f"unexpected reply to commit: {type(done).__name__}")
-        if done.rejected:
-            raise PeerError(f"decoder rejected {done.rejected} chunks (checksum)")
-        return self.entries[-1].end
 
     async def cancel(self) -> None:
         if not self.alloc_id:
@@ -192,6 +219,11 @@ class _Push:
             )
         except PeerError as exc:  # it frees the buffers at its deadline anyway
             log.debug("PD cancel not delivered", error=str(exc))
+
+
+def _groups(pieces: Sequence[Piece], most: int = GROUPS) -> list[Sequence[Piece]]:
+    size = max(1, -(-len(pieces) // most))
+    return [pieces[i : i + size] for i in range(0, len(pieces), size)]
 
 
 def push_layers(

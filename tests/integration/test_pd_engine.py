@@ -91,10 +91,14 @@ def test_pushed_kv_loads_on_the_decoder_bit_for_bit(pair, layerwise: bool) -> No
     assert metric(decoder, "pd_received_chunks_total") == 4
     assert metric(prefiller, "pd_pushes_total", outcome="ok") == 1
     assert decoder.pd_receiver.inflight == 0 and decoder.pd_receiver.pages == 0
-    # NIXL writes without a message; over ZMQ each layer (or the whole) is one push.
-    channel = prefiller.pd_sender.channel.name
-    pushes = (prefiller.layout.num_layers if layerwise else 1) if channel == "zmq" else 0
-    assert metric(decoder, "p2p_server_requests_total", kind="pd") == 2 + pushes
+    # One allocation; the last layer (or the whole chunks) goes in groups of one chunk
+    # here, each committed on its own. NIXL writes without a message; over ZMQ each
+    # earlier layer is one push, and each group of the last one.
+    groups = 4
+    pushes = (prefiller.layout.num_layers - 1 if layerwise else 0) + groups
+    if prefiller.pd_sender.channel.name != "zmq":
+        pushes = 0
+    assert metric(decoder, "p2p_server_requests_total", kind="pd") == 1 + pushes + groups
     decoder.release_lookup(hold_id("t-1"))
     assert hold_id("t-1") not in decoder.pins
     # Released: what was received leaves L1, so later transfers find free pages.
@@ -245,6 +249,38 @@ def test_bad_checksum_is_rejected_and_never_loaded() -> None:
         assert decoder.lookup(tokens, pin=False) == 0
         assert decoder.pool.used_pages == 0
         assert metric(decoder, "pd_rejected_chunks_total") == 2
+    finally:
+        raw.close()
+        decoder.close()
+
+
+def test_chunks_commit_in_groups_and_a_committed_chunk_is_never_written_again() -> None:
+    decoder = make("receiver", "zmq", seed=None)
+    raw = _Raw(decoder.p2p_endpoint)
+    try:
+        from kvmesh.common.chunk_codec import payload_checksum
+
+        reply = raw.ask(proto.encode(_alloc(decoder, 3, CHUNK, deadline=0.0)))
+        frames = [bytes([i + 1]) * s.nbytes for i, s in enumerate(reply.slots)]
+        push = proto.PushChunks(2, proto.PROTOCOL_VERSION, reply.alloc_id, -1, [0, 1, 2])
+        assert isinstance(raw.ask(proto.encode(push), *frames), proto.PushChunksReply)
+        sums = [payload_checksum(f) for f in frames]
+        first = proto.CommitChunks(3, proto.PROTOCOL_VERSION, reply.alloc_id, sums[1:2], [1])
+        assert raw.ask(proto.encode(first)) == proto.CommitChunksReply(3, 1, 0)
+        assert decoder.pd_receiver.inflight == 1 and decoder.pd_receiver.pages == 2
+        # Chunk 1 is in L1 now: a write or a second commit to it is refused.
+        again = proto.PushChunks(4, proto.PROTOCOL_VERSION, reply.alloc_id, -1, [1])
+        err = raw.ask(proto.encode(again), frames[0])
+        assert isinstance(err, proto.ErrorReply) and err.code == proto.ErrorCode.BAD_MESSAGE
+        twice = proto.CommitChunks(5, proto.PROTOCOL_VERSION, reply.alloc_id, sums[1:2], [1])
+        err = raw.ask(proto.encode(twice))
+        assert isinstance(err, proto.ErrorReply) and err.code == proto.ErrorCode.BAD_MESSAGE
+        # The rest (an empty list: every chunk still pending) ends the allocation.
+        rest = proto.CommitChunks(6, proto.PROTOCOL_VERSION, reply.alloc_id, [sums[0], sums[2]])
+        assert raw.ask(proto.encode(rest)) == proto.CommitChunksReply(6, 2, 0)
+        assert decoder.pd_receiver.inflight == 0 and decoder.pd_receiver.pages == 0
+        assert decoder.lookup(prompt(8, 3 * CHUNK), pin=False) == 3 * CHUNK
+        assert hold_id("raw") in decoder.pins
     finally:
         raw.close()
         decoder.close()
