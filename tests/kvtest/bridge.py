@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping, Sequence
@@ -24,10 +20,7 @@ from typing import Any
 
 import yaml
 
-from kvtest.vllm_server import free_port
-
-# Plain-text warnings and worse: a log tail in a failure message is read by a person.
-QUIET_LOGS = {"KVMESH_LOGGING__JSON": "false", "KVMESH_LOGGING__LEVEL": "warning"}
+from kvtest.service_process import QUIET_LOGS, ServiceProcess, free_port
 
 
 def kvmesh_command() -> list[str]:
@@ -38,9 +31,10 @@ def kvmesh_command() -> list[str]:
     return [sys.executable, "-m", "kvmesh.services.cli.main"]
 
 
-class BridgeProcess:
-    """`kvmesh serve bridge` with a config file written from the arguments; `bridge`
-    holds more `bridge:` keys (timeouts, max_body_bytes...)."""
+class BridgeProcess(ServiceProcess):
+    """`kvmesh serve bridge` with a config file written from the arguments, ready once
+    it writes its ready file (wait_ready waits 60 s unless told); `bridge` holds more
+    `bridge:` keys (timeouts, max_body_bytes...)."""
 
     def __init__(
         self,
@@ -53,7 +47,6 @@ class BridgeProcess:
         **bridge: Any,
     ) -> None:
         self.workdir = workdir
-        self.name = name
         # The console script loads the whole CLI (torch included): ~4 s of CPU more
         # than `python -m kvmesh.services.bridge`, which serves the same command.
         self.command = (
@@ -64,7 +57,6 @@ class BridgeProcess:
         self.port = free_port()
         self.config = workdir / f"{name}.yaml"
         self.ready = workdir / f"{name}.ready.json"
-        self.log = workdir / f"{name}.log"
         section = {
             "port": self.port,
             "prefillers": [{"url": u} for u in prefillers],
@@ -72,56 +64,21 @@ class BridgeProcess:
             **bridge,
         }
         self.config.write_text(yaml.safe_dump({"bridge": section}))
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.ready_info: dict[str, Any] = {}
+        super().__init__(
+            name,
+            [*self.command, "--config", str(self.config), "--ready-file", str(self.ready)],
+            log=workdir / f"{name}.log",
+            cwd=workdir,
+            env=QUIET_LOGS,
+            ready_file=self.ready,
+            ready_timeout_s=60.0,
+            stop_grace_s=15.0,
+            tail_chars=3000,
+        )
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-    def launch(self) -> None:
-        self.ready.unlink(missing_ok=True)
-        cmd = [*self.command, "--config", str(self.config)]
-        cmd += ["--ready-file", str(self.ready)]
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                cmd, stdout=out, stderr=out, env={**os.environ, **QUIET_LOGS}, cwd=self.workdir
-            )
-
-    def wait_ready(self, timeout_s: float = 60.0) -> dict[str, Any]:
-        assert self.proc is not None, "launch() first"
-        deadline = time.monotonic() + timeout_s
-        while not self.ready.exists():
-            if self.proc.poll() is not None:
-                raise RuntimeError(self.describe(f"exited ({self.proc.returncode})"))
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(self.describe(f"not ready after {timeout_s}s"))
-            time.sleep(0.05)
-        self.ready_info = json.loads(self.ready.read_text())
-        return self.ready_info
-
-    def stop(self) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def describe(self, what: str) -> str:
-        try:
-            tail = self.log.read_text(errors="replace")[-3000:]
-        except FileNotFoundError:
-            tail = ""
-        return f"{self.name} {what}; the end of {self.log}:\n{tail}"
 
     def get(self, path: str, timeout_s: float = 30.0) -> tuple[int, bytes]:
         return request(self.url + path, timeout_s=timeout_s)

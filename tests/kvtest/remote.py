@@ -17,16 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from kvtest.service_process import KvmeshService, ServiceProcess
+from kvtest.service_process import KvmeshService, ServiceProcess, free_port
 
 LMCACHE_PYTHON_ENV = "KVMESH_LMCACHE_PYTHON"
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cluster_port() -> int:

@@ -1,12 +1,15 @@
-"""One way to run a process under test: the `kvmesh serve` services, redis-server and
-the kvtest worker processes.
+"""One way to run a process under test: the `kvmesh serve` services (the bridge
+included), redis-server, vLLM's API server and the kvtest worker processes.
 
-A `ServiceProcess` is ready when it writes its ready file, listens on its port, or
-prints its ready line on stdout (exactly one of these). Every failure to get there,
-a death or the deadline, raises with the end of the process's log in the message, so
-a broken start says why in the test report rather than in a file left in a temp dir.
-It stops the way a supervisor would: asked first (SIGTERM, or EOF on stdin for a
-process that takes commands there), SIGKILL after a grace period.
+A `ServiceProcess` is ready when it writes its ready file, listens on its port, answers
+200 on its health URL, or prints its ready line on stdout (exactly one of these). Every
+failure to get there, a death or the deadline, raises with the end of the process's log
+in the message, so a broken start says why in the test report rather than in a file
+left in a temp dir. It stops the way a supervisor would: asked first (SIGTERM, or EOF on
+stdin for a process that takes commands there), SIGKILL after a grace period. One
+launched in a session of its own (new_session) is signalled as a whole process group,
+and what is left of the group once it has exited is killed: children that outlive it
+(vLLM's engine) go with it.
 
     with ServiceProcess("echo", cmd, log=tmp / "echo.log", ready_file=tmp / "r") as p:
         ...  # started and ready here; stopped on the way out
@@ -23,6 +26,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -30,15 +35,23 @@ from typing import Any, Self
 
 TESTS = Path(__file__).resolve().parents[1]
 POLL_S = 0.02
+HEALTH_POLL_S = 0.25  # a request each time: not 50 a second at a server coming up
 TAIL_CHARS = 2000
 # Plain-text warnings and worse: the log tail in an error message is read by a person.
 QUIET_LOGS = {"KVMESH_LOGGING__JSON": "false", "KVMESH_LOGGING__LEVEL": "warning"}
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class ServiceProcess:
     """A process under test; `proc` is its Popen while it has been launched (tests
     signal it directly to pause or kill it), `ready_info` what it said when ready:
-    the ready file's JSON, the ready line's JSON, or {} for a port."""
+    the ready file's JSON, the ready line's JSON, or {} for a port or a health URL.
+    ready_timeout_s is how long wait_ready and start wait when not told."""
 
     def __init__(
         self,
@@ -51,11 +64,16 @@ class ServiceProcess:
         ready_file: Path | None = None,
         ready_port: int | None = None,
         ready_line: str | None = None,
+        ready_url: str | None = None,
         stdin: bool = False,
+        new_session: bool = False,
+        ready_timeout_s: float = 20.0,
         stop_grace_s: float = 10.0,
+        tail_chars: int = TAIL_CHARS,
     ) -> None:
-        if sum(x is not None for x in (ready_file, ready_port, ready_line)) != 1:
-            raise ValueError("give exactly one of ready_file, ready_port, ready_line")
+        readies = (ready_file, ready_port, ready_line, ready_url)
+        if sum(x is not None for x in readies) != 1:
+            raise ValueError("give exactly one of ready_file, ready_port, ready_line, ready_url")
         self.name = name
         self.cmd = list(cmd)
         self.log = log
@@ -64,8 +82,12 @@ class ServiceProcess:
         self.ready_file = ready_file
         self.ready_port = ready_port
         self.ready_line = ready_line
+        self.ready_url = ready_url
         self.stdin = stdin
+        self.new_session = new_session
+        self.ready_timeout_s = ready_timeout_s
         self.stop_grace_s = stop_grace_s
+        self.tail_chars = tail_chars
         self.proc: subprocess.Popen[bytes] | None = None
         self.ready_info: dict[str, Any] = {}
         self._stdout = b""
@@ -89,11 +111,14 @@ class ServiceProcess:
                 stderr=out,
                 env=env,
                 cwd=self.cwd,
+                start_new_session=self.new_session,
             )
 
-    def wait_ready(self, timeout: float = 20.0) -> dict[str, Any]:
+    def wait_ready(self, timeout: float | None = None) -> dict[str, Any]:
         """Wait until it is ready; kill it and raise RuntimeError (it died) or
         TimeoutError (the deadline), with its log tail, if it does not get there."""
+        assert self.proc is not None, "launch() first"
+        timeout = self.ready_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
         try:
             if self.ready_line is not None:
@@ -106,7 +131,7 @@ class ServiceProcess:
         self.ready_info = info
         return info
 
-    def start(self, timeout: float = 20.0) -> Self:
+    def start(self, timeout: float | None = None) -> Self:
         self.launch()
         self.wait_ready(timeout)
         return self
@@ -117,27 +142,29 @@ class ServiceProcess:
     def kill(self) -> None:
         if self.alive():
             assert self.proc is not None
-            self.proc.send_signal(signal.SIGKILL)
+            self._signal(signal.SIGKILL)
             self.proc.wait(10)
-        self._close_pipes()
+        self._finish()
 
-    def stop(self) -> int | None:
-        """Ask it to exit, SIGKILL it after stop_grace_s; its exit code (None if it
-        was never launched)."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
+    def stop(self, grace_s: float | None = None) -> int | None:
+        """Ask it to exit, SIGKILL it after grace_s (default stop_grace_s); its exit
+        code (None if it was never launched)."""
+        if self.proc is not None and self.proc.poll() is None:
             if self.proc.stdin is not None:
                 with contextlib.suppress(BrokenPipeError):
                     self.proc.stdin.close()
             else:
-                self.proc.send_signal(signal.SIGTERM)
+                self._signal(signal.SIGTERM)
             try:
-                self.proc.wait(self.stop_grace_s)
+                self.proc.wait(self.stop_grace_s if grace_s is None else grace_s)
             except subprocess.TimeoutExpired:
                 self.kill()
-        self._close_pipes()
-        return self.proc.returncode
+        self._finish()
+        return None if self.proc is None else self.proc.returncode
+
+    def cleanup(self) -> None:
+        """What to remove once it has exited (or if it was never launched): stop and
+        kill call it, maybe more than once; nothing here."""
 
     def send_line(self, line: str) -> None:
         """One line on its stdin (for a process launched with stdin=True)."""
@@ -150,7 +177,8 @@ class ServiceProcess:
         ready_line), without the newline."""
         return self._read_line(time.monotonic() + timeout, f"printed no line in {timeout}s")
 
-    def log_tail(self, chars: int = TAIL_CHARS) -> str:
+    def log_tail(self, chars: int | None = None) -> str:
+        chars = self.tail_chars if chars is None else chars
         try:
             return self.log.read_text(errors="replace")[-chars:]
         except FileNotFoundError:
@@ -177,19 +205,26 @@ class ServiceProcess:
 
     def _poll_ready(self, deadline: float, timeout: float) -> dict[str, Any]:
         assert self.proc is not None
+        poll_s = POLL_S if self.ready_url is None else HEALTH_POLL_S
         # Checked before the exit status: a process may write its ready file and exit.
         while (info := self._ready_now()) is None:
             if self.proc.poll() is not None:
                 raise RuntimeError(self.describe(f"exited ({self.proc.returncode}) before ready"))
             if time.monotonic() > deadline:
                 raise TimeoutError(self.describe(f"not ready after {timeout}s"))
-            time.sleep(POLL_S)
+            time.sleep(poll_s)
         return info
 
     def _ready_now(self) -> dict[str, Any] | None:
         if self.ready_file is not None:
             # Written atomically (rename) by the services: it exists only when whole.
             return json.loads(self.ready_file.read_text()) if self.ready_file.exists() else None
+        if self.ready_url is not None:
+            try:
+                with urllib.request.urlopen(self.ready_url, timeout=1.0) as resp:
+                    return {} if resp.status == 200 else None
+            except (urllib.error.URLError, OSError):
+                return None
         with (
             contextlib.suppress(OSError),
             socket.create_connection(("127.0.0.1", self.ready_port), 0.2),
@@ -226,13 +261,29 @@ class ServiceProcess:
         line, _, self._stdout = self._stdout.partition(b"\n")
         return line.decode(errors="replace")
 
-    def _close_pipes(self) -> None:
-        if self.proc is None or self.proc.poll() is None:
-            return
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            if pipe is not None:
-                with contextlib.suppress(OSError):
-                    pipe.close()
+    def _signal(self, sig: signal.Signals) -> None:
+        assert self.proc is not None
+        if self.new_session:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+        else:
+            self.proc.send_signal(sig)
+
+    def _finish(self) -> None:
+        """Once it has exited (or was never launched): the rest of its process group
+        killed, its pipes closed, cleanup()."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                return
+            if self.new_session:
+                # A child may outlive the leader by a moment (vLLM's engine core).
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+            for pipe in (self.proc.stdin, self.proc.stdout):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
+        self.cleanup()
 
 
 class KvmeshService(ServiceProcess):

@@ -13,23 +13,16 @@ module. A failed start raises with the end of the server's log.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 from kvmesh.services.worker.vllm.testing import vllm_env
+from kvtest.service_process import ServiceProcess, free_port  # free_port: tests take it here
 
 # A plain template: the tiny test model's tokenizer has none, and chat requests need one.
 CHAT_TEMPLATE = (
@@ -43,12 +36,6 @@ KVMESH_CONNECTOR = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def kvmesh_transfer_config(kv_role: str, config: Mapping[str, Any], **extra: Any) -> dict:
     """A --kv-transfer-config for the kvmesh connector: kv_role (kv_producer,
     kv_consumer, kv_both) and the kvmesh config as a dict (its `engine:` section...)
@@ -60,9 +47,10 @@ def kvmesh_transfer_config(kv_role: str, config: Mapping[str, Any], **extra: Any
     }
 
 
-class VllmServer:
-    """One vLLM API server process (its own session: stop() ends its engine
-    subprocesses too). `args` are more CLI flags, `env` more environment variables."""
+class VllmServer(ServiceProcess):
+    """One vLLM API server process, ready when GET /health answers 200, in a session
+    of its own (stop() ends its engine subprocesses too; start and wait_ready wait 240 s
+    unless told). `args` are more CLI flags, `env` more environment variables."""
 
     def __init__(
         self,
@@ -82,9 +70,7 @@ class VllmServer:
         self.workdir = workdir / f"{name}"
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
-        self.name = name
-        self.log = self.workdir / "server.log"
-        self.cmd = [
+        cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model, "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", dtype, "--max-model-len", str(max_model_len), "--enforce-eager",
@@ -93,82 +79,29 @@ class VllmServer:
         if chat_template is not None:
             template = self.workdir / "chat_template.jinja"
             template.write_text(chat_template)
-            self.cmd += ["--chat-template", str(template)]
+            cmd += ["--chat-template", str(template)]
         if kv_transfer_config is not None:
-            self.cmd += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config))]
-        self.cmd += list(args)
-        self.env = vllm_env(self.workdir, dict(env or {}))
-        self.proc: subprocess.Popen[bytes] | None = None
+            cmd += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config))]
+        super().__init__(
+            name,
+            [*cmd, *args],
+            log=self.workdir / "server.log",
+            cwd=self.workdir,
+            env=vllm_env(self.workdir, dict(env or {})),
+            ready_url=f"{self.url}/health",
+            new_session=True,
+            ready_timeout_s=240.0,
+            stop_grace_s=15.0,
+            tail_chars=4000,
+        )
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 240.0) -> Self:
-        """Launch and wait until GET /health answers 200; RuntimeError (it exited) or
-        TimeoutError with the end of its log otherwise."""
-        self.launch()
-        self.wait_ready(timeout_s)
-        return self
-
-    def launch(self) -> None:
-        """Start the process without waiting (wait_ready does): a test can start
-        other things while vLLM comes up."""
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                self.cmd,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=self.env,
-                cwd=self.workdir,
-                start_new_session=True,
-            )
-
-    def wait_ready(self, timeout_s: float = 240.0) -> None:
-        assert self.proc is not None, "launch() first"
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not self._healthy():
-                if self.proc.poll() is not None:
-                    raise RuntimeError(self.describe(f"exited ({self.proc.returncode})"))
-                if time.monotonic() > deadline:
-                    raise TimeoutError(self.describe(f"not healthy after {timeout_s}s"))
-                time.sleep(0.25)
-        except BaseException:
-            self.stop()
-            raise
-
-    def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM to its process group, SIGKILL after grace_s; removes its IPC dir."""
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-        if proc is not None:
-            # The engine core may outlive the API server by a moment.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
+    def cleanup(self) -> None:
+        """Its IPC dir (vllm_env made one)."""
         shutil.rmtree(self.env["KVMESH_IPC_DIR"], ignore_errors=True)
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def log_tail(self, chars: int = 4000) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-chars:]
-        except FileNotFoundError:
-            return ""
-
-    def describe(self, what: str) -> str:
-        pid = self.proc.pid if self.proc else None
-        return f"{self.name} (pid {pid}) {what}; the end of {self.log}:\n{self.log_tail()}"
 
     def post(self, path: str, body: Mapping[str, Any], timeout_s: float = 60.0) -> Any:
         """POST JSON, the decoded JSON answer (HTTPError on a non-2xx status)."""
@@ -182,23 +115,3 @@ class VllmServer:
 
     def complete(self, body: Mapping[str, Any], timeout_s: float = 60.0) -> Any:
         return self.post("/v1/completions", body, timeout_s)
-
-    def _healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=1.0) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
-
-    def __enter__(self) -> Self:
-        if self.proc is None:
-            self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
