@@ -28,6 +28,15 @@ before it was applied. Batches are fire-and-forget (no reply) unless refused.
   one instance's) and answer `AdminReply(event_id, results)` with one `WorkerResult`
   per worker, a worker that missed the deadline included (ok=False, error "timeout").
   `CheckFinish(event_id)` answers the stored result of an earlier command.
+- `Move(keys, src_instance, dst_instance, copy)`: per rank r, the controller tells
+  dst's worker r to fetch the keys (none: everything src's worker r holds in L1, asked
+  of it first with op "keys") from src's worker r's P2P endpoint; the fetching worker
+  verifies each chunk as the P2P tier does and names the chunks it now holds in its
+  reply's `keys`. Unless `copy`, only those are then removed from src's worker r (op
+  "remove"). Chunk keys carry rank and namespace, so src and dst must have the same
+  world size and per-rank namespaces (refused with BAD_REQUEST otherwise, as is an
+  unknown instance). The results hold one `WorkerResult` per dst worker (fetch) and,
+  for a move, per src worker (remove).
 - Every reply is the matching `...Reply` or `ErrorReply(rid, code, message, retryable)`.
 
 Chunk keys travel as `ChunkKey.to_str()` strings. Evolution: fields are only appended,
@@ -129,6 +138,8 @@ class CommandReply(wire.Message, tag="command_r"):
     count: int = 0
     error: str = ""
     detail: dict[str, int] = {}
+    # op "keys": the chunks the worker holds in L1; op "fetch": the chunks it now holds.
+    keys: list[str] = []
 
 
 # -- anyone → controller: lookups and admin ----------------------------------------------
@@ -178,12 +189,17 @@ class Health(wire.Message, tag="health"):
 
 
 class Move(wire.Message, tag="move"):
+    """Copy (copy=True) or move chunks from one instance to another, rank by rank;
+    keys [] = every chunk the source holds in L1."""
+
     rid: int
     event_id: str
     keys: list[str]
     src_instance: str
     dst_instance: str
     copy: bool = False
+    # Deadline of each rank's transfer; 0 = the controller's admin timeout.
+    timeout_s: float = 0.0
 
 
 class Compress(wire.Message, tag="compress"):
@@ -228,14 +244,20 @@ class Resync(wire.Message, tag="resync"):
 
 
 class Command(wire.Message, tag="command"):
-    """An admin command for one worker: op is clear, pin, unpin, health (others are
-    answered ok=False, "unsupported")."""
+    """An admin command for one worker: op is clear, pin, unpin, health, keys (list
+    L1's chunks), fetch (read keys from the peer at `source` into L1) or remove (keys,
+    from the worker's own tiers); others are answered ok=False, "unsupported". Removal
+    of given keys is its own op, not clear with keys: a worker that predates it then
+    answers "unsupported" instead of clearing everything."""
 
     rid: int
     event_id: str
     op: str
     tier: str = ""
     keys: list[str] = []
+    source: str = ""  # fetch: the P2P endpoint to read from
+    # The worker answers within this many seconds (0: no deadline of its own).
+    deadline_s: float = 0.0
 
 
 # -- replies -------------------------------------------------------------------------

@@ -5,6 +5,8 @@
     kvmesh admin clear [--instance I] [--tier T]
     kvmesh admin pin KEY... [--instance I] [--unpin]
     kvmesh admin health [--instance I]   each worker's own health (chunks, memory)
+    kvmesh admin copy --from A --to B [KEY...]   A's chunks (all in L1, or KEYs) into B
+    kvmesh admin move --from A --to B [KEY...]   the same, then removed from A
     kvmesh admin lookup TOKENS [--instance I]   cached prefix (via the lookup-server)
     kvmesh admin transfers [--bridge URL]        requests in flight through a bridge
 
@@ -51,12 +53,15 @@ def admin(ctx: click.Context, url: str, timeout_s: float, as_json: bool) -> None
     ctx.obj = {"url": url, "timeout_s": timeout_s, "json": as_json}
 
 
-def _call(ctx: click.Context, build: Any, expect: type) -> Any:
+def _call(ctx: click.Context, build: Any, expect: type, extra_s: float = 0.0) -> Any:
+    """One request to the controller; its reply within --timeout plus extra_s."""
+
     async def main() -> Any:
         conn = ControllerConnection(ctx.obj["url"], timeout_s=ctx.obj["timeout_s"], client="cli")
         try:
             await conn.connect()
-            return await conn.request(build(conn.next_rid()), expect)
+            deadline_s = ctx.obj["timeout_s"] + extra_s
+            return await conn.request(build(conn.next_rid()), expect, deadline_s)
         finally:
             await conn.close()
 
@@ -148,6 +153,49 @@ def health(ctx: click.Context, instance: str) -> None:
     """Ask every worker for its health (chunks, memory, events dropped)."""
     ev = uuid.uuid4().hex
     _print_results(ctx, _call(ctx, lambda r: proto.Health(r, ev, instance), proto.AdminReply))
+
+
+def _move_options(f: Any) -> Any:
+    f = click.option(
+        "--transfer-timeout",
+        type=float,
+        default=0.0,
+        help="Deadline of each rank's transfer, seconds (0: the controller's admin timeout).",
+    )(f)
+    f = click.option("--to", "dst", required=True, help="The destination instance.")(f)
+    f = click.option("--from", "src", required=True, help="The source instance.")(f)
+    return click.argument("keys", nargs=-1)(f)
+
+
+def _move(
+    ctx: click.Context, keys: tuple[str, ...], src: str, dst: str, timeout_s: float, copy: bool
+) -> None:
+    ev = uuid.uuid4().hex
+    build = lambda r: proto.Move(r, ev, list(keys), src, dst, copy, timeout_s)  # noqa: E731
+    _print_results(ctx, _call(ctx, build, proto.AdminReply, extra_s=timeout_s))
+
+
+@admin.command("copy")
+@_move_options
+@click.pass_context
+def copy(
+    ctx: click.Context, keys: tuple[str, ...], src: str, dst: str, transfer_timeout: float
+) -> None:
+    """Copy chunks (KEYs, or everything the source holds in L1) from one instance's
+    memory to another's, rank by rank: each destination worker reads them from its
+    source rank over P2P and verifies them."""
+    _move(ctx, keys, src, dst, transfer_timeout, copy=True)
+
+
+@admin.command("move")
+@_move_options
+@click.pass_context
+def move(
+    ctx: click.Context, keys: tuple[str, ...], src: str, dst: str, transfer_timeout: float
+) -> None:
+    """Copy chunks as `copy` does, then remove from the source the chunks the
+    destination confirmed it holds (the rest stay where they were)."""
+    _move(ctx, keys, src, dst, transfer_timeout, copy=False)
 
 
 def _read_tokens(spec: str) -> list[int]:

@@ -34,32 +34,58 @@ class AdminFanout:
     async def run(
         self, event_id: str, op: str, targets: list[WorkerEntry], tier: str, keys: list[str]
     ) -> list[proto.WorkerResult]:
-        self._remember(event_id, False, [])
-        results = await asyncio.gather(*(self._one(w, event_id, op, tier, keys) for w in targets))
-        self._remember(event_id, True, list(results))
-        return list(results)
+        """The same command to every target; one result each."""
+        self.remember(event_id, False, [])
+        replies = await asyncio.gather(
+            *(self.ask(w, event_id, op, tier=tier, keys=keys) for w in targets)
+        )
+        results = [result_of(r) for r in replies]
+        self.remember(event_id, True, results)
+        return results
 
-    async def _one(
-        self, worker: WorkerEntry, event_id: str, op: str, tier: str, keys: list[str]
-    ) -> proto.WorkerResult:
+    async def ask(
+        self,
+        worker: WorkerEntry,
+        event_id: str,
+        op: str,
+        *,
+        tier: str = "",
+        keys: list[str] | None = None,
+        source: str = "",
+        timeout_s: float = 0.0,
+    ) -> proto.CommandReply:
+        """One command to one worker and its reply within timeout_s (0: the default);
+        not reaching the worker, or no reply in time, is a reply with ok=False."""
+        timeout_s = timeout_s or self.timeout_s
         if worker.peer is None:
-            return proto.WorkerResult(worker.worker_id, False, error="not connected")
+            return _failed(worker, "not connected")
         rid = next(self._rids)
         fut: asyncio.Future[proto.CommandReply] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
+        # The worker is told a shorter deadline, so its answer (a partial result
+        # included) arrives before we stop waiting for it.
+        worker_deadline = timeout_s - min(0.5, timeout_s / 4)
+        cmd = proto.Command(rid, event_id, op, tier, keys or [], source, worker_deadline)
         try:
-            if not self._push(worker.peer, proto.Command(rid, event_id, op, tier, keys)):
-                return proto.WorkerResult(worker.worker_id, False, error="send failed")
-            async with asyncio.timeout(self.timeout_s):
-                r = await fut
-            return proto.WorkerResult(worker.worker_id, r.ok, r.count, r.error, r.detail)
+            if not self._push(worker.peer, cmd):
+                return _failed(worker, "send failed")
+            async with asyncio.timeout(timeout_s):
+                return await fut
         except TimeoutError:
-            return proto.WorkerResult(worker.worker_id, False, error="timeout")
+            return _failed(worker, "timeout")
         finally:
             self._pending.pop(rid, None)
 
-    def _remember(self, event_id: str, done: bool, results: list[proto.WorkerResult]) -> None:
+    def remember(self, event_id: str, done: bool, results: list[proto.WorkerResult]) -> None:
         self.events[event_id] = (done, results)
         self.events.move_to_end(event_id)
         while len(self.events) > KEEP_EVENTS:
             self.events.popitem(last=False)
+
+
+def result_of(reply: proto.CommandReply) -> proto.WorkerResult:
+    return proto.WorkerResult(reply.worker_id, reply.ok, reply.count, reply.error, reply.detail)
+
+
+def _failed(worker: WorkerEntry, error: str) -> proto.CommandReply:
+    return proto.CommandReply(0, worker.worker_id, False, error=error)

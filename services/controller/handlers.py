@@ -13,6 +13,7 @@ from typing import Any
 
 from kvmesh.common.protocol import controller as proto
 from kvmesh.common.protocol.controller import ErrorCode
+from kvmesh.services.controller import move
 from kvmesh.services.controller.admin import AdminFanout
 from kvmesh.services.controller.registry import Registry, WorkerEntry
 from kvmesh.services.controller.stats import ControllerStats
@@ -53,7 +54,7 @@ class Handlers:
             proto.Clear: self.admin,
             proto.Pin: self.admin,
             proto.Health: self.admin,
-            proto.Move: self.unsupported,
+            proto.Move: self.move,
             proto.Compress: self.unsupported,
         }
 
@@ -216,6 +217,16 @@ class Handlers:
         else:
             op, tier, keys = "health", "", []
         results = await self.fanout.run(msg.event_id, op, targets, tier, keys)
+        return proto.AdminReply(msg.rid, msg.event_id, True, results)
+
+    async def move(self, peer: bytes, msg: proto.Move) -> Any:
+        if not msg.event_id or len(msg.event_id) > MAX_ID_CHARS:
+            return proto.error_reply(msg.rid, ErrorCode.BAD_REQUEST, "event_id: 1-256 characters")
+        try:
+            plans = move.plan(self.registry, msg)
+        except move.MoveRefused as exc:
+            return proto.error_reply(msg.rid, ErrorCode.BAD_REQUEST, str(exc))
+        results = await move.run(self.fanout, msg, plans)
         return proto.AdminReply(msg.rid, msg.event_id, True, results)
 
     async def unsupported(self, peer: bytes, msg: Any) -> Any:

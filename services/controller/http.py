@@ -8,6 +8,8 @@ GET  /events/<id>       the result of an earlier admin command (CheckFinish)
 POST /clear             {"instance_id"?, "tier"?, "event_id"?}  → per-worker results
 POST /pin               {"keys": [...], "instance_id"?, "unpin"?, "event_id"?}
 POST /health            {"instance_id"?, "event_id"?}  → each worker's health
+POST /copy              {"src_instance", "dst_instance", "keys"?, "timeout_s"?, "event_id"?}
+POST /move              the same; the source loses what the destination confirmed
 
 Built on asyncio streams (standard library): the controller then needs no web framework
 (aiohttp is only in this venv as a vLLM dependency). One request per connection
@@ -100,18 +102,35 @@ class AdminHttp:
         if path == "/clear":
             msg = proto.Clear(0, event_id, instance, str(args.get("tier") or ""))
         elif path == "/pin":
-            keys = args.get("keys")
-            if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-                raise _BadRequest("keys: a list of chunk key strings")
+            keys = _keys(args, required=True)
             msg = proto.Pin(0, event_id, keys, instance, bool(args.get("unpin", False)))
         elif path == "/health":
             msg = proto.Health(0, event_id, instance)
+        elif path in ("/copy", "/move"):
+            msg = _move(args, event_id, copy=path == "/copy")
         else:
             return 404, {"error": "not found"}
-        reply = await srv.handlers.admin(b"", msg)
+        reply = await srv.handlers.async_table[type(msg)](b"", msg)
         if isinstance(reply, proto.ErrorReply):
             return 400, {"error": reply.message, "code": reply.code}
         return 200, {"event_id": event_id, "results": [_result(r) for r in reply.results]}
+
+
+def _keys(args: dict[str, Any], *, required: bool) -> list[str]:
+    keys = args.get("keys", None if required else [])
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise _BadRequest("keys: a list of chunk key strings")
+    return keys
+
+
+def _move(args: dict[str, Any], event_id: str, *, copy: bool) -> proto.Move:
+    src, dst = args.get("src_instance"), args.get("dst_instance")
+    if not isinstance(src, str) or not isinstance(dst, str) or not src or not dst:
+        raise _BadRequest("src_instance and dst_instance: instance ids")
+    timeout_s = args.get("timeout_s", 0.0)
+    if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool):
+        raise _BadRequest("timeout_s: seconds")
+    return proto.Move(0, event_id, _keys(args, required=False), src, dst, copy, float(timeout_s))
 
 
 def _parse_head(head: bytes) -> tuple[str, str, int]:

@@ -26,6 +26,7 @@ from kvmesh.common.transport.controller_client import (
     ControllerError,
     ControllerUnavailable,
 )
+from kvmesh.services.worker import peer_copy
 from kvmesh.services.worker.peer_locator import PeerLocation
 
 if TYPE_CHECKING:
@@ -219,6 +220,7 @@ class ControllerClient:
     async def _execute(self, cmd: proto.Command) -> None:
         engine, l1 = self.engine, self.engine.storage.l1
         ok, count, error, detail = True, 0, "", {}
+        keys: list[str] = []
         try:
             if cmd.op == "clear":
                 count = await asyncio.to_thread(engine.clear, None, cmd.tier or None)
@@ -235,13 +237,34 @@ class ControllerClient:
                     "last_seq": self._seq,
                 }
                 count = len(l1)
+            elif cmd.op == "keys":
+                keys = peer_copy.l1_keys(engine)
+                count = len(keys)
+            elif cmd.op == "fetch":
+                got = await peer_copy.fetch(engine, cmd.source, cmd.keys, cmd.deadline_s)
+                keys, count = got.held, got.copied
+                detail = {
+                    "requested": got.requested,
+                    "copied": got.copied,
+                    "present": got.present,
+                    "failed": got.failed,
+                }
+                if got.failed:
+                    ok = False
+                    error = got.error or f"{got.failed} of {got.requested} chunks not copied"
+            elif cmd.op == "remove":
+                count, kept = await peer_copy.remove(engine, cmd.keys)
+                detail = {"removed": count, "kept": kept}
             else:
                 ok, error = False, f"{cmd.op}: unsupported"
+        except peer_copy.CopyRefused as exc:
+            ok, error = False, str(exc)
         except Exception as exc:  # answered, not raised: the controller waits on us
             ok, error = False, repr(exc)[:300]
         conn = self._conn
         if conn is not None:
-            conn.send(proto.CommandReply(cmd.rid, self.worker_id, ok, count, error, detail))
+            reply = proto.CommandReply(cmd.rid, self.worker_id, ok, count, error, detail, keys)
+            conn.send(reply)
 
     # -- PeerLocator ----------------------------------------------------------------------
     def locate(self, keys: Sequence[ChunkKey], timeout: float) -> PeerLocation | None:

@@ -36,6 +36,8 @@ REQUESTS = [
     proto.CheckFinish(14, "ev"),
     proto.PrefixCounts(15, [b"\x01" * 16], "inst"),
     proto.Register(16, "inst", 0, 1, [], "", 1.0, "tcp://h:2"),
+    proto.Move(17, "ev", [], "a", "b", False, 30.0),
+    proto.CommandReply(18, "b/0", False, 2, "1 of 3 chunks not copied", {"failed": 1}, [KEY]),
 ]
 REPLIES = [
     proto.HelloReply(1, 1, "c"),
@@ -57,14 +59,43 @@ def test_old_register_and_worker_info_read_with_empty_lookup_endpoint() -> None:
     assert proto.decode_request(old).lookup_endpoint == ""
 
 
+def test_move_messages_old_reads_new_and_new_reads_old() -> None:
+    """Move, Command and CommandReply grew fields for copy/move (appended, with
+    defaults): what an older peer sends still decodes, and an older decoder, which
+    knows fewer fields, reads today's messages."""
+    old_move = msgspec.msgpack.encode(["move", 1, "ev", [KEY], "a", "b", True])
+    assert proto.decode_request(old_move) == proto.Move(1, "ev", [KEY], "a", "b", True, 0.0)
+    old_reply = msgspec.msgpack.encode(["command_r", 2, "a/0", True, 3, "", {}])
+    assert proto.decode_request(old_reply).keys == []
+    old_cmd = msgspec.msgpack.encode(["command", 3, "ev", "clear", "", []])
+    assert proto.decode_reply(old_cmd) == proto.Command(3, "ev", "clear", "", [], "", 0.0)
+
+    class OldCommand(msgspec.Struct, tag="command", array_like=True):
+        rid: int
+        event_id: str
+        op: str
+        tier: str = ""
+        keys: list[str] = []
+
+    new = proto.encode(proto.Command(4, "ev", "fetch", "", [KEY], "tcp://h:1", 2.0))
+    # An older worker reads the op and answers "fetch: unsupported"; it never sees a
+    # clear, whatever it does not know.
+    assert msgspec.msgpack.decode(new, type=OldCommand) == OldCommand(4, "ev", "fetch", "", [KEY])
+
+
 @pytest.mark.parametrize("msg", REQUESTS, ids=lambda m: m.__struct_config__.tag)
 def test_requests_round_trip(msg) -> None:
     assert proto.decode_request(proto.encode(msg)) == msg
 
 
-@pytest.mark.parametrize(
-    "msg", [*REPLIES, proto.Resync(0, "a/0", "gap"), proto.Command(3, "e", "clear")]
-)
+COMMANDS = [
+    proto.Command(3, "e", "clear"),
+    proto.Command(4, "e", "fetch", "", [KEY], "tcp://h:1", 1.5),
+    proto.Command(5, "e", "remove", "", [KEY]),
+]
+
+
+@pytest.mark.parametrize("msg", [*REPLIES, proto.Resync(0, "a/0", "gap"), *COMMANDS])
 def test_worker_inbound_round_trips(msg) -> None:
     assert proto.decode_reply(proto.encode(msg)) == msg
 
@@ -161,9 +192,18 @@ def test_invalid_requests_of_a_session(controller) -> None:
             )
             too_many = [KEY] * (proto.MAX_LOOKUP_KEYS + 1)
             assert await code_of(proto.P2PLookup(c.next_rid(), too_many)) == ErrorCode.BAD_REQUEST
+            # Unknown instances: refused as a whole, no worker asked.
             assert (
                 await code_of(proto.Move(c.next_rid(), "e", [KEY], "a", "b"))
-                == ErrorCode.UNSUPPORTED
+                == ErrorCode.BAD_REQUEST
+            )
+            assert (
+                await code_of(proto.Move(c.next_rid(), "e", [], "a", "a", True))
+                == ErrorCode.BAD_REQUEST
+            )
+            assert (
+                await code_of(proto.Move(c.next_rid(), "", [], "a", "b", True))
+                == ErrorCode.BAD_REQUEST
             )
             assert await code_of(proto.Compress(c.next_rid(), "e")) == ErrorCode.UNSUPPORTED
             assert await code_of(proto.CheckFinish(c.next_rid(), "never")) == ErrorCode.BAD_REQUEST

@@ -133,12 +133,8 @@ class P2PTier:
         results: dict[ChunkKey, MemoryObj] = {}
         t0 = time.perf_counter()
         try:
-            allocator = waiters[0][2]
-            keys = [key.to_str() for key, _, _ in waiters]
-            landed = await self.channel.read(
-                endpoint, keys, self._alloc_fn(allocator), self.config.timeout_s
-            )
-            results = await self._verify(landed, {k for k, _, _ in waiters})
+            keys = [key for key, _, _ in waiters]
+            results = await self.fetch(endpoint, keys, waiters[0][2], self.config.timeout_s)
         except PeerError as exc:
             log.info("p2p read failed", peer=endpoint, error=str(exc))
             self.stats.gets["error"].inc(len(waiters))
@@ -158,6 +154,18 @@ class P2PTier:
                     fut.set_result(obj)
             for obj in results.values():  # duplicates of one key
                 obj.ref_down()
+
+    async def fetch(
+        self, endpoint: str, keys: Sequence[ChunkKey], allocator: Allocator, timeout_s: float
+    ) -> dict[ChunkKey, MemoryObj]:
+        """The chunks of keys the peer at endpoint holds and that pass the checks, one
+        reference each for the caller (not inserted anywhere). Raises PeerError. Gets
+        and admin copies (services/worker/peer_copy.py) both land chunks through here,
+        so no chunk reaches L1 unchecked."""
+        landed = await self.channel.read(
+            endpoint, [k.to_str() for k in keys], self._alloc_fn(allocator), timeout_s
+        )
+        return await self._verify(landed, set(keys))
 
     def _alloc_fn(self, allocator: Allocator) -> Callable[[ChunkMeta], MemoryObj | None]:
         def alloc(meta: ChunkMeta) -> MemoryObj | None:
