@@ -181,6 +181,9 @@ class PDConfig(_Section):
     # Sender: the deadline of one push (allocation, every layer's write, commit).
     # Receiver: buffers not committed by the sender's deadline plus this are freed.
     timeout_s: PositiveSeconds = 10.0
+    # Receiver: how long received chunks stay pinned for their decode request; a decode
+    # that starts later (or never) finds them dropped, and computes the prompt itself.
+    hold_s: PositiveSeconds = 120.0
 
 
 class EngineConfig(_Section):

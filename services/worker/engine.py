@@ -356,8 +356,7 @@ class KVEngine:
         """Drop the pins of a lookup whose request will not be retrieved."""
         self.pins.release(lookup_id)
         if self.pd_receiver is not None and lookup_id.startswith(PD_HOLD_PREFIX):
-            # The receiver's state lives on the loop; release may come from any thread.
-            self.loop.loop.call_soon_threadsafe(self.pd_receiver.drop, lookup_id)
+            self.pd_receiver.release(lookup_id)
         fut = self._prefetches.pop(lookup_id, None)
         if fut is not None:
             fut.cancel()

@@ -7,8 +7,8 @@ recompute rather than slowing down everything else. The prefiller then writes ea
 layer straight into the buffers (a NIXL WRITE, or `PushChunks` frames over ZMQ) and
 finally sends `CommitChunks` with each chunk's xxh3: chunks that verify enter L1 under
 their keys, pinned under the lookup id "pd:<transfer id>" until the decoder's vLLM has
-loaded them (the connector releases that id when the request finishes) or the pin
-timeout passes. Then the chunks received are dropped from L1: a decoder stores no KV
+loaded them (the connector releases that id when the request finishes) or
+`pd.hold_s` passes. Then the chunks received are dropped from L1: a decoder stores no KV
 of its own, so kept chunks would only fill the free pages later transfers need.
 
 Buffers that are never committed (a prefiller that died, a cancelled request) go back
@@ -35,6 +35,7 @@ from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import p2p as proto
 from kvmesh.common.transport.chunk_regions import layer_regions, token_axis
 from kvmesh.services.worker.events import KVEventKind
+from kvmesh.services.worker.pins import LookupPins
 
 if TYPE_CHECKING:
     from kvmesh.services.worker.engine import KVEngine
@@ -75,6 +76,9 @@ class PdReceiver:
         self._inbound: dict[int, _Inbound] = {}
         # lookup id → (keys pinned for it, keys this engine received for it)
         self._held: dict[str, tuple[list[ChunkKey], list[ChunkKey]]] = {}
+        # Apart from lookups' pins: a decode may wait in vLLM's queue far longer than a
+        # lookup waits for its retrieve.
+        self.pins = LookupPins(engine.storage.unpin, cfg.hold_s)
         self._ids = itertools.count(1)
         self._pages = 0
         m = engine.stats.metrics
@@ -257,6 +261,7 @@ class PdReceiver:
         return len(gone)
 
     def close(self) -> None:
+        self.pins.release_all()
         for alloc_id in list(self._inbound):
             self._free(self._inbound.pop(alloc_id))
 
@@ -293,11 +298,11 @@ class PdReceiver:
         l1 = e.storage.l1
         lookup_id = hold_id(transfer_id)
         old, old_received = self._held.get(lookup_id, ([], []))
-        if lookup_id not in e.pins:
+        if lookup_id not in self.pins:
             old = []
         # hold() replaces the id's entry and unpins the old keys once: pin them again.
         keys = [k for k in old if l1.pin(k)] + [k for k in keys if l1.pin(k)]
-        e.pins.hold(lookup_id, [(l1, k) for k in keys])
+        self.pins.hold(lookup_id, [(l1, k) for k in keys])
         self._held[lookup_id] = (keys, old_received + received)
 
     def drop(self, lookup_id: str) -> int:
@@ -317,9 +322,16 @@ class PdReceiver:
         return dropped
 
     def sweep(self) -> int:
-        """Drop the transfers whose pins ended without a release (the pin timeout)."""
-        pins = self.engine.pins
-        return sum(self.drop(i) for i in [i for i in self._held if i not in pins])
+        """Drop the transfers whose hold ended without a release (`pd.hold_s`)."""
+        self.pins.expire()
+        return sum(self.drop(i) for i in [i for i in self._held if i not in self.pins])
+
+    def release(self, lookup_id: str) -> None:
+        """The decode of a transfer ended (any thread): unpin and drop its chunks."""
+        self.pins.release(lookup_id)
+        loop = self.engine.loop
+        if loop.running:
+            loop.loop.call_soon_threadsafe(self.drop, lookup_id)
 
     def _gauges(self) -> None:
         stats = self.engine.stats

@@ -25,15 +25,14 @@ N = 3 * CHUNK + CHUNK // 2  # three full chunks and a partial one
 
 
 def make(
-    role: str, channel: str, seed: int | None, *, fraction: float = 0.5, pin_s: float = 30.0
+    role: str, channel: str, seed: int | None, *, fraction: float = 0.5, hold_s: float = 30.0
 ) -> KVEngine:
     cfg = EngineConfig(
-        pin_timeout_s=pin_s,
         chunk_size=CHUNK,
         model_name="pd-test",
         l1=L1Config(max_size=4 << 20, reserve=0, alloc_timeout_s=0.2),
         p2p=P2PConfig(channel=channel, timeout_s=2.0),
-        pd=PDConfig(role=role, timeout_s=2.0, max_receive_fraction=fraction),
+        pd=PDConfig(role=role, timeout_s=2.0, max_receive_fraction=fraction, hold_s=hold_s),
         close_flush_s=0,
     )
     cache = kv_cache(seed)
@@ -82,7 +81,7 @@ def test_pushed_kv_loads_on_the_decoder_bit_for_bit(pair, layerwise: bool) -> No
     assert pushed == N
     # The decoder holds every chunk, the partial last one included, pinned for the
     # transfer until released.
-    assert hold_id("t-1") in decoder.pins
+    assert hold_id("t-1") in decoder.pd_receiver.pins
     assert decoder.lookup(tokens, pin=False) == N
     dst_slots = slots + 5 * 16  # other blocks on the decoder
     loaded = decoder.retrieve(tokens, dst_slots)
@@ -100,7 +99,7 @@ def test_pushed_kv_loads_on_the_decoder_bit_for_bit(pair, layerwise: bool) -> No
         pushes = 0
     assert metric(decoder, "p2p_server_requests_total", kind="pd") == 1 + pushes + groups
     decoder.release_lookup(hold_id("t-1"))
-    assert hold_id("t-1") not in decoder.pins
+    assert hold_id("t-1") not in decoder.pd_receiver.pins
     # Released: what was received leaves L1, so later transfers find free pages.
     deadline = time.monotonic() + 2.0
     while decoder.pool.used_pages and time.monotonic() < deadline:
@@ -132,9 +131,9 @@ def test_decoder_without_room_refuses_and_nothing_is_held() -> None:
         decoder.close()
 
 
-def test_chunks_of_a_decode_that_never_comes_are_dropped_at_the_pin_timeout() -> None:
+def test_chunks_of_a_decode_that_never_comes_are_dropped_after_hold_s() -> None:
     prefiller = make("sender", "zmq", seed=1)
-    decoder = make("receiver", "zmq", seed=None, pin_s=0.3)
+    decoder = make("receiver", "zmq", seed=None, hold_s=0.3)
     try:
         tokens, slots = prompt(5, N), torch.arange(N)
         target = PdTarget("t", decoder.p2p_endpoint)
@@ -280,7 +279,7 @@ def test_chunks_commit_in_groups_and_a_committed_chunk_is_never_written_again() 
         assert raw.ask(proto.encode(rest)) == proto.CommitChunksReply(6, 2, 0)
         assert decoder.pd_receiver.inflight == 0 and decoder.pd_receiver.pages == 0
         assert decoder.lookup(prompt(8, 3 * CHUNK), pin=False) == 3 * CHUNK
-        assert hold_id("raw") in decoder.pins
+        assert hold_id("raw") in decoder.pd_receiver.pins
     finally:
         raw.close()
         decoder.close()

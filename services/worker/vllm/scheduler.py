@@ -99,6 +99,16 @@ class SchedulerSide:
             log.exception("kvmesh lookup failed for %s; counting a miss", request.request_id)
             hit = 0
         st.hit, st.local = hit, num_computed_tokens
+        pd = st.options.pd
+        if pd is not None and not pd.endpoints:
+            # A decode after a PD prefill: a short hit means the decoder computes the rest.
+            log.info(
+                "PD decode %s (transfer %s): %d of %d prompt tokens in kvmesh",
+                request.request_id,
+                pd.transfer_id,
+                hit,
+                request.num_tokens,
+            )
         # vLLM must compute at least the last token itself.
         external = max(0, min(hit, request.num_tokens - 1) - num_computed_tokens)
         if external == 0 and hit:
