@@ -44,6 +44,7 @@ log = get_logger(__name__)
 # The last write goes in up to this many groups, so the decoder verifies one group while
 # the next is written.
 GROUPS = 8
+GROUP_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -221,8 +222,14 @@ class _Push:
             log.debug("PD cancel not delivered", error=str(exc))
 
 
-def _groups(pieces: Sequence[Piece], most: int = GROUPS) -> list[Sequence[Piece]]:
-    size = max(1, -(-len(pieces) // most))
+def _groups(pieces: Sequence[Piece]) -> list[Sequence[Piece]]:
+    """Up to GROUPS groups of at least GROUP_BYTES (each write and commit has a fixed
+    cost: small transfers go whole)."""
+    if not pieces:
+        return []
+    total = sum(obj.nbytes for _, obj, _ in pieces)
+    count = max(1, min(GROUPS, total // GROUP_BYTES, len(pieces)))
+    size = -(-len(pieces) // count)
     return [pieces[i : i + size] for i in range(0, len(pieces), size)]
 
 

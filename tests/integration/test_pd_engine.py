@@ -90,10 +90,10 @@ def test_pushed_kv_loads_on_the_decoder_bit_for_bit(pair, layerwise: bool) -> No
     assert metric(decoder, "pd_received_chunks_total") == 4
     assert metric(prefiller, "pd_pushes_total", outcome="ok") == 1
     assert decoder.pd_receiver.inflight == 0 and decoder.pd_receiver.pages == 0
-    # One allocation; the last layer (or the whole chunks) goes in groups of one chunk
-    # here, each committed on its own. NIXL writes without a message; over ZMQ each
-    # earlier layer is one push, and each group of the last one.
-    groups = 4
+    # One allocation; the last layer (or the whole chunks) goes in one group here (a few
+    # KiB), committed once. NIXL writes without a message; over ZMQ each earlier layer is
+    # one push, and each group of the last one.
+    groups = 1
     pushes = (prefiller.layout.num_layers - 1 if layerwise else 0) + groups
     if prefiller.pd_sender.channel.name != "zmq":
         pushes = 0
