@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
@@ -229,8 +230,8 @@ def _groups(pieces: Sequence[Piece]) -> list[Sequence[Piece]]:
         return []
     total = sum(obj.nbytes for _, obj, _ in pieces)
     count = max(1, min(GROUPS, total // GROUP_BYTES, len(pieces)))
-    size = -(-len(pieces) // count)
-    return [pieces[i : i + size] for i in range(0, len(pieces), size)]
+    bounds = [len(pieces) * i // count for i in range(count + 1)]
+    return [pieces[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 def push_layers(

@@ -9,10 +9,6 @@ commands, one per stdin line, answering one JSON line each (see `handle`).
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-
 import msgspec
 import torch
 
@@ -20,7 +16,7 @@ from kvmesh.common.config import EngineControllerConfig
 from kvmesh.common.keys import ChunkKey
 from kvmesh.services.worker.controller_client import wait_registered
 from kvmesh.services.worker.engine import KVEngine
-from kvtest.p2p import engine_config, kv_cache, prompt
+from kvtest.p2p import corrupt_l1, engine_config, kv_cache, prompt, serve_commands
 
 
 class MoveNode:
@@ -60,38 +56,9 @@ class MoveNode:
                     obj.ref_down()
             return {"chunks": out}
         if op == "corrupt":
-            # Flip a byte of each held chunk once its checksum is known: the peer keeps
-            # serving the old checksum, as after a bad DIMM or a stray write.
-            from kvmesh.services.worker.p2p_server import _checksum
-
-            held = e.storage.l1.keys()
-            for key in held:
-                obj = e.storage.l1.get(key)
-                if obj.checksum is None:
-                    obj.checksum = _checksum(obj)
-                obj.raw[7] ^= 0xFF
-                obj.ref_down()
-            return {"corrupted": len(held)}
+            return {"corrupted": corrupt_l1(e)}
         raise ValueError(f"unknown op {op}")
 
 
-def main() -> None:
-    cfg = json.loads(sys.argv[1])
-    # Answers go to the original stdout; anything else printed (logs) to stderr.
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    node = MoveNode(cfg)
-    print(json.dumps(node.handle({"op": "info"})), file=out, flush=True)
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            answer = node.handle(json.loads(line))
-        except Exception as exc:
-            answer = {"error": repr(exc)}
-        print(json.dumps(answer), file=out, flush=True)
-    node.engine.close()
-
-
 if __name__ == "__main__":
-    main()
+    serve_commands(MoveNode)

@@ -141,19 +141,7 @@ class Node:
                 },
             }
         if op == "corrupt":
-            # Flip one byte of each held chunk after its checksum is known: what a bad
-            # DIMM or a stray write would do. The peer keeps serving the old checksum.
-            from kvmesh.services.worker.p2p_server import _checksum
-
-            n = 0
-            for key in list(e.storage.l1.keys()):
-                obj = e.storage.l1.get(key)
-                if obj.checksum is None:
-                    obj.checksum = _checksum(obj)
-                obj.raw[7] ^= 0xFF
-                obj.ref_down()
-                n += 1
-            return {"corrupted": n}
+            return {"corrupted": corrupt_l1(e)}
         if op == "clear":
             return {"cleared": e.clear(tier="l1")}
         if op == "leases":
@@ -161,12 +149,29 @@ class Node:
         raise ValueError(f"unknown op {op}")
 
 
-def main() -> None:
+def corrupt_l1(engine: KVEngine) -> int:
+    """Flip one byte of each chunk in L1 after its checksum is known: what a bad DIMM or
+    a stray write would do. A peer keeps serving the old checksum. Returns how many."""
+    from kvmesh.services.worker.p2p_server import _checksum
+
+    held = engine.storage.l1.keys()
+    for key in held:
+        obj = engine.storage.l1.get(key)
+        if obj.checksum is None:
+            obj.checksum = _checksum(obj)
+        obj.raw[7] ^= 0xFF
+        obj.ref_down()
+    return len(held)
+
+
+def serve_commands(node_type: type) -> None:
+    """Run node_type(config from argv[1]) and answer its JSON commands, one per stdin
+    line, with one JSON line each on stdout (the first: its "info"), until EOF."""
     cfg = json.loads(sys.argv[1])
     # Answers go to the original stdout; anything else printed (logs) to stderr.
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    node = Node(cfg)
+    node = node_type(cfg)
     print(json.dumps(node.handle({"op": "info"})), file=out, flush=True)
     for line in sys.stdin:
         if not line.strip():
@@ -180,4 +185,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    serve_commands(Node)
