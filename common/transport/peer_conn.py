@@ -21,7 +21,12 @@ from kvmesh.common.protocol import p2p as proto
 
 
 class PeerError(RuntimeError):
-    """The peer did not answer in time, answered garbage, or said no: a miss."""
+    """The peer did not answer in time, answered garbage, or said no: a miss. `code` is
+    the peer's ErrorReply code when it said no (None otherwise)."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class PeerConnection:
@@ -72,7 +77,9 @@ class PeerConnection:
         finally:
             self._pending.pop(msg.rid, None)
         if isinstance(reply, proto.ErrorReply):
-            raise PeerError(f"{self.endpoint} refused: code {reply.code}: {reply.message}")
+            raise PeerError(
+                f"{self.endpoint} refused: code {reply.code}: {reply.message}", reply.code
+            )
         return reply, payloads
 
     def send_nowait(self, msg: proto.Request) -> None:

@@ -114,7 +114,10 @@ class PdReceiver:
         if not msg.keys:
             raise PdRefused(proto.ErrorCode.BAD_MESSAGE, "no keys")
         keys = _parse_keys(msg.keys)
-        fmt = MemoryFormat(msg.fmt) if msg.fmt in MemoryFormat._value2member_map_ else None
+        try:
+            fmt: MemoryFormat | None = MemoryFormat(msg.fmt)
+        except ValueError:
+            fmt = None
         full = tuple(e.layout.chunk_shape(e.config.chunk_size))
         if (
             fmt != e.chunk_format

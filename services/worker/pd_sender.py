@@ -88,7 +88,7 @@ class PdSender:
         try:
             tokens = await push.run()
         except PeerError as exc:
-            refused = f"code {int(proto.ErrorCode.NO_ROOM)}:" in str(exc)
+            refused = exc.code == proto.ErrorCode.NO_ROOM
             self._pushes["refused" if refused else "failed"].inc()
             log.warning("PD push failed", transfer=push.target.transfer_id, error=str(exc))
             await push.cancel()
@@ -268,7 +268,8 @@ def push_layers(
     if not entries:
         return 0
     loop = engine.loop
-    push: _Push = loop.run(_make_push(sender, target, entries), sender.timeout_s)
+    # asyncio.Queue binds to a loop on first use: built here, used on the engine loop.
+    push = _Push(sender, target, entries)
     fut: concurrent.futures.Future[int] = loop.submit(sender.run(push))
     committed = False
     try:
@@ -310,7 +311,3 @@ def push_layers(
             fut.cancel()
             for x in entries:
                 x.obj.ref_down()
-
-
-async def _make_push(sender: PdSender, target: PdTarget, entries: list[_Entry]) -> _Push:
-    return _Push(sender, target, entries)  # its queue must be made on the loop
