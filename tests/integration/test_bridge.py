@@ -30,6 +30,7 @@ from click.testing import CliRunner
 from kvtest.bridge import BridgeProcess, kvmesh_command, post_chunked, request
 from kvtest.http_backend import HttpBackend
 from kvtest.vllm_server import VllmServer, free_port
+from kvtest.waiting import wait_for
 
 from kvmesh.services.cli.admin_cmd import admin
 
@@ -338,9 +339,9 @@ def test_a_client_going_away_ends_its_request(mesh: Mesh) -> None:
     # Gone during the prefill.
     conn = http.client.HTTPConnection(host, port, timeout=10)
     conn.request("POST", "/v1/completions", json.dumps(COMPLETION), JSON)
-    wait_for(lambda: len(transfers(bridge)) == 1)
+    wait_for(lambda: len(transfers(bridge)) == 1, 10, "one transfer listed")
     conn.close()
-    wait_for(lambda: not transfers(bridge))
+    wait_for(lambda: not transfers(bridge), 10, "no transfer listed")
     # Gone in the middle of a streamed answer from the real decoder.
     mesh.fault_p.mode = "fail"
     long = {**COMPLETION, "max_tokens": 3000, "ignore_eos": True, "stream": True}
@@ -349,8 +350,12 @@ def test_a_client_going_away_ends_its_request(mesh: Mesh) -> None:
     resp = conn.getresponse()
     assert resp.status == 200 and resp.readline().startswith(b"data: ")
     conn.close()
-    wait_for(lambda: not transfers(bridge))
-    wait_for(lambda: requests_total(bridge, "completions", "cancelled") == cancelled + 2)
+    wait_for(lambda: not transfers(bridge), 10, "no transfer listed")
+    wait_for(
+        lambda: requests_total(bridge, "completions", "cancelled") == cancelled + 2,
+        10,
+        "both cancellations counted",
+    )
     assert bridge.get("/health")[0] == 200
 
 
@@ -361,10 +366,3 @@ def transfers(bridge: BridgeProcess) -> list[dict[str, Any]]:
     got, raw = bridge.get("/transfers")
     assert got == 200
     return json.loads(raw)
-
-
-def wait_for(condition: Any, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from kvtest.controller import ControllerProcess, build_engine, store, tokens
 from kvtest.service_process import KvtestProcess
+from kvtest.waiting import wait_for
 
 from kvmesh.common.protocol import controller as proto
 from kvmesh.common.transport.controller_client import ControllerConnection
@@ -43,16 +44,6 @@ def http_post(srv: ControllerProcess, path: str, payload: object) -> tuple[int, 
 
 def chunks_of(srv: ControllerProcess) -> dict[str, dict[str, int]]:
     return {w["worker_id"]: w["chunks"] for w in http_get(srv, "/workers")}
-
-
-def wait_for(cond, timeout: float = 5.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"{what} not reached within {timeout}s")
 
 
 def keys_of(eng, toks):

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from kvtest.controller import ControllerProcess
 from kvtest.service_process import KvtestProcess
+from kvtest.waiting import wait_for
 
 from kvmesh.common.protocol import controller as proto
 from kvmesh.common.transport.controller_client import ControllerConnection, ControllerError
@@ -93,16 +94,6 @@ def http_post(srv: ControllerProcess, path: str, payload: object) -> tuple[int, 
 def l1_counts(srv: ControllerProcess) -> dict[str, int]:
     with urllib.request.urlopen(srv.http + "/workers", timeout=5) as r:
         return {w["worker_id"]: w["chunks"].get("l1", 0) for w in json.loads(r.read())}
-
-
-def wait_for(cond, timeout: float = 5.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"{what} not reached within {timeout}s")
 
 
 def cli(srv: ControllerProcess, *args: str) -> subprocess.CompletedProcess:

@@ -26,6 +26,7 @@ import zmq
 from kvtest.controller import ControllerProcess, build_engine, store, tokens
 from kvtest.remote import free_port
 from kvtest.service_process import KvmeshService, KvtestProcess
+from kvtest.waiting import wait_for
 
 from kvmesh.common.protocol import controller as cproto
 from kvmesh.common.protocol import lookup_service as proto
@@ -95,16 +96,6 @@ def controller_workers(url: str) -> dict[str, cproto.WorkerInfo]:
         return {w.worker_id: w for w in reply.workers}
 
     return asyncio.run(main())
-
-
-def wait_for(cond, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what} not reached within {timeout}s")
 
 
 @pytest.fixture(scope="module")

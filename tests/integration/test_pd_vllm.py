@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from pathlib import Path
 import pytest
 from kvtest.bridge import BridgeProcess, parse_metrics
 from kvtest.vllm_server import VllmServer, free_port, kvmesh_transfer_config
+from kvtest.waiting import wait_for
 from vllm_fixture import Step, run_session
 
 from kvmesh.services.worker.vllm.tiny_model import prompt_tokens
@@ -201,15 +201,6 @@ def _fallbacks(mesh: Mesh) -> float:
     return sum(v for k, v in values.items() if k.startswith("kvmesh_bridge_fallbacks_total{"))
 
 
-def _wait(pred, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return pred()
-
-
 def test_completion_through_the_bridge_equals_plain_vllm_and_the_decoder_loads_the_kv(
     mesh: Mesh,
 ) -> None:
@@ -233,7 +224,7 @@ def test_completion_through_the_bridge_equals_plain_vllm_and_the_decoder_loads_t
     # Five prefill steps: five pushes, each committed.
     assert metric(mesh.engine("prefiller"), "pd_pushes_total", outcome="ok") >= 5
     # Once the decode is over, what was received is released and dropped.
-    assert _wait(lambda: metric(mesh.engine("decoder"), "pd_transfers_held") == 0, 5)
+    wait_for(lambda: metric(mesh.engine("decoder"), "pd_transfers_held") == 0, 5)
     assert metric(mesh.engine("decoder"), "pd_receive_pages") == 0
 
 
@@ -253,7 +244,7 @@ def test_streaming_through_the_bridge_gives_the_same_tokens(mesh: Mesh) -> None:
 
 
 def test_decoder_out_of_room_refuses_and_the_rest_is_recomputed(mesh: Mesh) -> None:
-    assert _wait(lambda: metric(mesh.engine("decoder"), "l1_usage_bytes") == 0, 10)
+    wait_for(lambda: metric(mesh.engine("decoder"), "l1_usage_bytes") == 0, 10)
     before_pre = mesh.engine("prefiller")
     answer = mesh.complete(P4000, 4)
     ref = mesh.reference["p4000"]
@@ -270,7 +261,7 @@ def test_decoder_out_of_room_refuses_and_the_rest_is_recomputed(mesh: Mesh) -> N
     assert refused >= 1
     dec = mesh.engine("decoder")
     assert metric(dec, "pd_receive_allocs_total", outcome="refused") >= 1
-    assert _wait(lambda: metric(mesh.engine("decoder"), "pd_receive_pages") == 0, 5)
+    wait_for(lambda: metric(mesh.engine("decoder"), "pd_receive_pages") == 0, 5)
 
 
 def test_prefiller_killed_mid_transfer_still_answers_and_leaks_no_buffer(mesh: Mesh) -> None:
@@ -286,10 +277,11 @@ def test_prefiller_killed_mid_transfer_still_answers_and_leaks_no_buffer(mesh: M
     client = threading.Thread(target=ask)
     client.start()
     # Kill once a few of the prompt's 10 chunks have landed: mid-transfer.
-    landed = _wait(
-        lambda: metric(mesh.engine("decoder"), "pd_received_chunks_total") - before >= 2, 60
+    wait_for(
+        lambda: metric(mesh.engine("decoder"), "pd_received_chunks_total") - before >= 2,
+        60,
+        "two chunks landed on the decoder",
     )
-    assert landed
     os.killpg(mesh.prefiller.proc.pid, signal.SIGKILL)
     at_kill = metric(mesh.engine("decoder"), "pd_received_chunks_total") - before
     client.join(120)
@@ -300,8 +292,8 @@ def test_prefiller_killed_mid_transfer_still_answers_and_leaks_no_buffer(mesh: M
     # Nothing leaks on the decoder: in-flight buffers go at their deadline, what was
     # committed after pd.hold_s (the decode never names the dead transfer).
     dec = lambda: mesh.engine("decoder")  # noqa: E731
-    assert _wait(lambda: metric(dec(), "pd_receive_inflight") == 0, 20)
-    assert _wait(lambda: metric(dec(), "pd_receive_pages") == 0, 1)
-    assert _wait(lambda: metric(dec(), "pd_transfers_held") == 0, 30)
-    assert _wait(lambda: metric(dec(), "l1_usage_bytes") == 0, 5)
+    wait_for(lambda: metric(dec(), "pd_receive_inflight") == 0, 20)
+    wait_for(lambda: metric(dec(), "pd_receive_pages") == 0, 1)
+    wait_for(lambda: metric(dec(), "pd_transfers_held") == 0, 30)
+    wait_for(lambda: metric(dec(), "l1_usage_bytes") == 0, 5)
     assert _fallbacks(mesh) >= 1
