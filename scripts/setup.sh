@@ -66,4 +66,5 @@ if ! "$LMC_VENV/bin/python" -c "import lmcache, torch; assert torch.__version__.
   "$LMC_VENV/bin/python" -c "import lmcache.v1.storage_backend.storage_manager" \
     || { log "lmcache did not install in $LMC_VENV (see the pip output above)"; exit 1; }
 fi
+bash scripts/install_deploy_tools.sh  # helm, kubectl (.tools/bin), kubernetes-validate
 log "ready: $VENV"

@@ -1,0 +1,630 @@
+"""The Helm chart k8s/kvmesh, checked with the real tools and without a cluster:
+
+- `helm lint --strict` and `helm template` with the default values and the CI value
+  sets in k8s/ci/ (redis-remote: an external Redis and ServiceMonitors; pd: prefillers,
+  decoders and the bridge);
+- `kubernetes-validate --strict` against Kubernetes 1.30 on each rendering;
+- the rendered objects: probes on the ports the config makes each process serve,
+  Services and the PodDisruptionBudget selecting the right pods, volumes where the
+  config puts the snapshot, spill and disk tier, the ConfigMap's kvmesh.yaml passing
+  kvmesh's own validation (with each pod's KVMESH_* variables applied), env, resources;
+- values.schema.json rejecting wrong types and unknown keys, naming them.
+
+helm and kubernetes-validate come from scripts/install_deploy_tools.sh; without them
+these tests fail rather than skip.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from deploy_helm import (
+    CHART,
+    KUBERNETES_VERSION,
+    NAMESPACE,
+    ROOT,
+    VALUE_SETS,
+    config_dict,
+    config_text,
+    container,
+    env_of,
+    expand,
+    full_name,
+    helm_binary,
+    kubernetes_validate_binary,
+    matches,
+    of_kind,
+    one,
+    parse,
+    pod_spec,
+    port_number,
+    render,
+    render_text,
+    run,
+    template_args,
+    values_file,
+    workloads,
+)
+
+from kvmesh.common.config import ConfigError, load_config
+
+CONFIG_PATH = "/etc/kvmesh/kvmesh.yaml"
+POD_IP = "10.1.2.3"
+SETS = list(VALUE_SETS)
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    return helm_binary()
+
+
+@pytest.fixture(scope="module")
+def rendered(helm: str) -> dict[str, list[dict[str, Any]]]:
+    return {name: render(helm, name) for name in SETS}
+
+
+# --- the tools ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value_set", SETS)
+def test_helm_lint_strict(helm: str, value_set: str) -> None:
+    proc = run([helm, "lint", "--strict", str(CHART), "--namespace", NAMESPACE,
+                *VALUE_SETS[value_set]])  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 chart(s) failed" in proc.stdout
+
+
+@pytest.mark.parametrize("value_set", SETS)
+def test_kubernetes_validate_strict(helm: str, value_set: str, tmp_path: Path) -> None:
+    manifest = tmp_path / f"{value_set}.yaml"
+    manifest.write_text(render_text(helm, VALUE_SETS[value_set]))
+    docs = parse(manifest.read_text())
+    proc = run([kubernetes_validate_binary(), "--strict", "-k", KUBERNETES_VERSION, str(manifest)])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "ERROR" not in out and "FAIL" not in out, out
+    # Every object of a built-in kind was checked (kubernetes-validate only warns about
+    # kinds it has no schema for: the ServiceMonitor CRD).
+    for doc in docs:
+        if doc["kind"] == "ServiceMonitor":
+            continue
+        line = f"passed for resource {doc['kind'].lower()}/{doc['metadata']['name']} "
+        assert line in out, f"{line!r} not in:\n{out}"
+    unchecked = {line.split(" for kind ")[1].split()[0] for line in out.splitlines()
+                 if "Couldn't find schema" in line}  # fmt: skip
+    assert unchecked <= {"ServiceMonitor"}, out
+
+
+# --- what each value set renders -------------------------------------------------------
+
+EXPECTED = {
+    "default": {
+        ("Deployment", "controller"), ("Deployment", "lookup"), ("StatefulSet", "cacheserver"),
+        ("StatefulSet", "worker"), ("PodDisruptionBudget", "cacheserver"),
+        ("PersistentVolumeClaim", "controller"), ("ConfigMap", "config"),
+        ("Service", "controller"), ("Service", "lookup"), ("Service", "cacheserver"),
+        ("Service", "cacheserver-headless"), ("Service", "worker"),
+        ("Service", "worker-headless"),
+    },
+    "redis-remote": {
+        ("Deployment", "controller"), ("Deployment", "lookup"), ("StatefulSet", "worker"),
+        ("PersistentVolumeClaim", "controller"), ("ConfigMap", "config"),
+        ("Service", "controller"), ("Service", "lookup"), ("Service", "worker"),
+        ("Service", "worker-headless"), ("ServiceMonitor", "controller"),
+        ("ServiceMonitor", "lookup"), ("ServiceMonitor", "worker"),
+    },
+    "pd": {
+        ("Deployment", "controller"), ("Deployment", "lookup"), ("Deployment", "bridge"),
+        ("StatefulSet", "cacheserver"), ("StatefulSet", "prefiller"),
+        ("StatefulSet", "decoder"), ("PodDisruptionBudget", "cacheserver"),
+        ("ConfigMap", "config"), ("Service", "controller"), ("Service", "lookup"),
+        ("Service", "cacheserver"), ("Service", "cacheserver-headless"), ("Service", "bridge"),
+        ("Service", "prefiller-headless"), ("Service", "decoder-headless"),
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("value_set", SETS)
+def test_objects(rendered: dict, value_set: str) -> None:
+    got = {(d["kind"], d["metadata"]["name"]) for d in rendered[value_set]}
+    want = {(kind, full_name(component)) for kind, component in EXPECTED[value_set]}
+    assert got == want
+    for doc in rendered[value_set]:
+        labels = doc["metadata"]["labels"]
+        assert labels["app.kubernetes.io/instance"] == "kvmesh"
+        assert labels["app.kubernetes.io/name"] == "kvmesh"
+
+
+# --- kvmesh.yaml ------------------------------------------------------------------------
+
+
+def _load(tmp_path: Path, docs: list, env: dict[str, str] | None = None):
+    path = tmp_path / "kvmesh.yaml"
+    path.write_text(config_text(docs))
+    return load_config(path, env=env or {})
+
+
+def _pod_env(c: dict, secrets: dict[str, str] | None = None) -> dict[str, str]:
+    """The container's environment as the kubelet would make it, with POD_IP and
+    secret values filled in; expanded $(VAR) references."""
+    out: dict[str, str] = {}
+    for name, entry in env_of(c).items():
+        if "value" in entry:
+            out[name] = expand(str(entry["value"]), out)
+        else:
+            source = entry["valueFrom"]
+            if "fieldRef" in source:
+                field = source["fieldRef"]["fieldPath"]
+                out[name] = {"status.podIP": POD_IP, "metadata.name": "pod-0"}[field]
+            else:
+                key = source["secretKeyRef"]["key"]
+                out[name] = (secrets or {})[key]
+    return out
+
+
+@pytest.mark.parametrize("value_set", SETS)
+def test_config_passes_kvmesh_validation(rendered: dict, value_set: str, tmp_path: Path) -> None:
+    docs = rendered[value_set]
+    cfg = _load(tmp_path, docs)
+    # Services bind every interface in a pod; ports are the ones the chart exposes.
+    assert cfg.controller.host == cfg.lookup.host == cfg.cacheserver.host == "0.0.0.0"
+    assert cfg.bridge.host == "0.0.0.0"
+    assert (cfg.controller.port, cfg.controller.http_port) == (7600, 7601)
+    assert (cfg.lookup.port, cfg.lookup.metrics_port) == (7610, 7611)
+    assert (cfg.cacheserver.port, cfg.cacheserver.metrics_port) == (7620, 7622)
+    assert (cfg.bridge.port, cfg.bridge.metrics_port) == (7630, 7631)
+    assert cfg.engine.metrics_port == 7640 and cfg.engine.p2p.port == 7650
+    controller = f"tcp://{full_name('controller')}:7600"
+    assert cfg.lookup.controller_url == controller
+    assert cfg.engine.controller.enabled and cfg.engine.controller.url == controller
+    # The lookup-server hashes prompts as the engines do.
+    assert cfg.lookup.chunk_size == cfg.engine.chunk_size
+    assert cfg.lookup.hash_algorithm == cfg.engine.hash_algorithm
+    # Each vLLM pod's own KVMESH_* variables on top of the file still validate.
+    for sts in of_kind(docs, "StatefulSet"):
+        c = container(sts)
+        if c["name"] != "vllm":
+            continue
+        env = _pod_env(c, secrets={"redis-password": "s3cret"})
+        pod_cfg = _load(tmp_path, docs, env=env)
+        assert pod_cfg.engine.p2p.host == POD_IP
+        assert pod_cfg.engine.lookup_endpoint == f"tcp://{POD_IP}:7660"
+
+
+def test_default_config(rendered: dict, tmp_path: Path) -> None:
+    cfg = _load(tmp_path, rendered["default"])
+    assert cfg.engine.remote.enabled
+    assert cfg.engine.remote.url == f"kvmesh://{full_name('cacheserver')}:7620"
+    assert cfg.engine.disk.enabled and cfg.engine.disk.path == "/var/cache/kvmesh"
+    assert cfg.cacheserver.spill_path == "/var/cache/kvmesh-cacheserver"
+    assert cfg.controller.snapshot_path == "/var/lib/kvmesh/controller.snapshot"
+    assert not cfg.cacheserver.lm_enabled
+    assert cfg.bridge.prefillers == [] and cfg.bridge.decoders == []
+
+
+def test_user_config_reaches_kvmesh_yaml(rendered: dict, tmp_path: Path) -> None:
+    cfg = _load(tmp_path, rendered["redis-remote"])
+    assert cfg.engine.chunk_size == 128 and cfg.lookup.chunk_size == 128
+    assert cfg.engine.hash_algorithm == "blake3" == cfg.lookup.hash_algorithm
+    assert cfg.engine.remote.compression == "lz4"
+    assert cfg.engine.remote.key_prefix == "kvmesh-ci:"
+    assert cfg.logging.level == "debug"
+    assert config_dict(rendered["redis-remote"])["engine"]["l1"]["max_size"] == "1GiB"
+
+
+# --- probes, ports, Services --------------------------------------------------------------
+
+# component -> (liveness, readiness) as (kind, path, port number); the port numbers are
+# where kvmesh.yaml (checked above) makes each process serve.
+PROBES = {
+    "controller": (("httpGet", "/health", 7601), ("httpGet", "/health", 7601)),
+    "lookup": (("httpGet", "/health", 7611), ("httpGet", "/health", 7611)),
+    "cacheserver": (("httpGet", "/healthz", 7622), ("httpGet", "/healthz", 7622)),
+    # /health is 503 while no decoder answers: unready, not dead.
+    "bridge": (("tcpSocket", None, 7630), ("httpGet", "/health", 7630)),
+    "worker": (("httpGet", "/health", 8000), ("httpGet", "/health", 8000)),
+    "prefiller": (("httpGet", "/health", 8000), ("httpGet", "/health", 8000)),
+    "decoder": (("httpGet", "/health", 8000), ("httpGet", "/health", 8000)),
+}
+
+
+def _probe(c: dict, which: str) -> tuple[str, str | None, int]:
+    probe = c[which]
+    kind = "httpGet" if "httpGet" in probe else "tcpSocket"
+    return kind, probe[kind].get("path"), port_number(c, probe[kind]["port"])
+
+
+@pytest.mark.parametrize("value_set", SETS)
+def test_probes(rendered: dict, value_set: str) -> None:
+    for w in workloads(rendered[value_set]):
+        component = w["metadata"]["labels"]["app.kubernetes.io/component"]
+        c = container(w)
+        assert (_probe(c, "livenessProbe"), _probe(c, "readinessProbe")) == PROBES[component]
+        if c["name"] == "vllm":  # model loading: a startup probe holds the others off
+            assert _probe(c, "startupProbe") == ("httpGet", "/health", 8000)
+            assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 300
+
+
+@pytest.mark.parametrize("value_set", SETS)
+def test_services_select_their_pods(rendered: dict, value_set: str) -> None:
+    docs = rendered[value_set]
+    for svc in of_kind(docs, "Service"):
+        selected = [
+            w
+            for w in workloads(docs)
+            if matches(svc["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])
+        ]
+        assert len(selected) == 1, svc["metadata"]["name"]
+        c = container(selected[0])
+        for port in svc["spec"]["ports"]:
+            port_number(c, port["targetPort"])  # a named port of the container
+    for sts in of_kind(docs, "StatefulSet"):
+        headless = one(docs, "Service", sts["spec"]["serviceName"])
+        assert headless["spec"]["clusterIP"] == "None"
+        assert matches(headless["spec"]["selector"], sts["spec"]["template"]["metadata"]["labels"])
+    for w in workloads(docs):
+        assert matches(
+            w["spec"]["selector"]["matchLabels"], w["spec"]["template"]["metadata"]["labels"]
+        )
+
+
+@pytest.mark.parametrize("value_set", ["default", "pd"])
+def test_pdb_selects_only_the_cacheserver_pods(rendered: dict, value_set: str) -> None:
+    docs = rendered[value_set]
+    pdb = one(docs, "PodDisruptionBudget", full_name("cacheserver"))
+    selector = pdb["spec"]["selector"]["matchLabels"]
+    chosen = [
+        w["metadata"]["name"]
+        for w in workloads(docs)
+        if matches(selector, w["spec"]["template"]["metadata"]["labels"])
+    ]
+    assert chosen == [full_name("cacheserver")]
+    if value_set == "pd":
+        assert pdb["spec"] == {"minAvailable": 1, "selector": pdb["spec"]["selector"]}
+        assert one(docs, "StatefulSet", full_name("cacheserver"))["spec"]["replicas"] == 2
+    else:
+        assert pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
+
+
+# --- volumes ----------------------------------------------------------------------------
+
+
+def _mount(c: dict, name: str) -> str:
+    (path,) = [m["mountPath"] for m in c["volumeMounts"] if m["name"] == name]
+    return path
+
+
+def _claim_templates(sts: dict) -> dict[str, dict]:
+    return {t["metadata"]["name"]: t["spec"] for t in sts["spec"].get("volumeClaimTemplates", [])}
+
+
+def test_volumes_default(rendered: dict) -> None:
+    docs = rendered["default"]
+    cfg = config_dict(docs)
+    cache = one(docs, "StatefulSet", full_name("cacheserver"))
+    spill = _claim_templates(cache)["spill"]
+    assert spill["resources"]["requests"]["storage"] == "10Gi"
+    assert spill["accessModes"] == ["ReadWriteOnce"]
+    assert _mount(container(cache), "spill") == cfg["cacheserver"]["spill_path"]
+
+    worker = one(docs, "StatefulSet", full_name("worker"))
+    disk = _claim_templates(worker)["disk"]
+    assert disk["resources"]["requests"]["storage"] == "10Gi"
+    assert _mount(container(worker), "disk") == cfg["engine"]["disk"]["path"]
+    assert _mount(container(worker), "shm") == "/dev/shm"
+
+    controller = one(docs, "Deployment", full_name("controller"))
+    assert controller["spec"]["replicas"] == 1
+    assert controller["spec"]["strategy"]["type"] == "Recreate"
+    (snapshot,) = [v for v in pod_spec(controller)["volumes"] if v["name"] == "snapshot"]
+    claim = snapshot["persistentVolumeClaim"]["claimName"]
+    one(docs, "PersistentVolumeClaim", claim)
+    snapshot_dir = posixpath.dirname(cfg["controller"]["snapshot_path"])
+    assert _mount(container(controller), "snapshot") == snapshot_dir
+
+
+def test_volumes_custom_and_off(rendered: dict) -> None:
+    worker = one(rendered["redis-remote"], "StatefulSet", full_name("worker"))
+    disk = _claim_templates(worker)["disk"]
+    assert disk["storageClassName"] == "local-ssd"
+    assert disk["resources"]["requests"]["storage"] == "20Gi"
+
+    docs = rendered["pd"]
+    cfg = config_dict(docs)
+    assert not cfg["engine"]["disk"]["enabled"]
+    for role in ("prefiller", "decoder"):
+        sts = one(docs, "StatefulSet", full_name(role))
+        assert "volumeClaimTemplates" not in sts["spec"]
+        assert "disk" not in {m["name"] for m in container(sts)["volumeMounts"]}
+    assert (
+        _claim_templates(one(docs, "StatefulSet", full_name("cacheserver")))["spill"]["resources"][
+            "requests"
+        ]["storage"]
+        == "20Gi"
+    )
+    controller = one(docs, "Deployment", full_name("controller"))
+    (snapshot,) = [v for v in pod_spec(controller)["volumes"] if v["name"] == "snapshot"]
+    assert snapshot == {"name": "snapshot", "emptyDir": {}}
+    assert not of_kind(docs, "PersistentVolumeClaim")
+
+
+# --- containers: image, args, env, resources -------------------------------------------------
+
+
+@pytest.mark.parametrize("value_set", SETS)
+def test_containers(rendered: dict, value_set: str) -> None:
+    docs = rendered[value_set]
+    config_map = full_name("config")
+    for w in workloads(docs):
+        component = w["metadata"]["labels"]["app.kubernetes.io/component"]
+        c = container(w)
+        env = env_of(c)
+        assert env["KVMESH_CONFIG"]["value"] == CONFIG_PATH
+        assert c["imagePullPolicy"] == "IfNotPresent"
+        assert _mount(c, "config") == posixpath.dirname(CONFIG_PATH)
+        (config_volume,) = [v for v in pod_spec(w)["volumes"] if v["name"] == "config"]
+        assert config_volume["configMap"]["name"] == config_map
+        resources = c["resources"]
+        assert resources["requests"]["cpu"] and resources["requests"]["memory"]
+        assert resources["limits"]["memory"]
+        annotations = w["spec"]["template"]["metadata"]["annotations"]
+        assert len(annotations["checksum/config"]) == 64
+        if c["name"] == "vllm":
+            assert c["image"] == "kvmesh-vllm:0.1.0"
+            assert c["command"] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
+            for name, value in {
+                "HF_HUB_OFFLINE": "1",
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+            }.items():
+                assert env[name]["value"] == value
+        else:
+            assert c["image"] == "kvmesh:0.1.0"
+            assert c["args"] == ["serve", component, "--config", CONFIG_PATH]
+
+
+KV_ROLES = {"worker": ("kv_both", None), "prefiller": ("kv_producer", "sender"),
+            "decoder": ("kv_consumer", "receiver")}  # fmt: skip
+
+
+@pytest.mark.parametrize("value_set", SETS)
+def test_vllm_worker_uses_the_connector(rendered: dict, value_set: str) -> None:
+    vllm = [
+        w for w in of_kind(rendered[value_set], "StatefulSet") if container(w)["name"] == "vllm"
+    ]
+    assert vllm
+    for sts in vllm:
+        role = sts["metadata"]["labels"]["app.kubernetes.io/component"]
+        c = container(sts)
+        args = c["args"]
+        assert args[args.index("--model") + 1] == "/models/tiny"
+        assert args[args.index("--host") + 1] == "0.0.0.0"
+        assert args[args.index("--port") + 1] == "8000"
+        transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
+        kv_role, pd_role = KV_ROLES[role]
+        assert transfer == {
+            "kv_connector": "KvmeshConnector",
+            "kv_connector_module_path": "kvmesh.services.worker.vllm.connector",
+            "kv_role": kv_role,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"config_path": CONFIG_PATH, "instance_id": "$(POD_NAME)"},
+        }
+        env = _pod_env(c, secrets={"redis-password": "pw"})
+        assert env.get("KVMESH_ENGINE__PD__ROLE") == pd_role
+        # Besides config keys (KVMESH_<SECTION>__<KEY>, loaded in the tests above) only
+        # these KVMESH_* variables: kvmesh ignores them as config.
+        not_config = {k for k in env if k.startswith("KVMESH_") and "__" not in k}
+        redis = {"KVMESH_REDIS_PASSWORD"} if value_set == "redis-remote" else set()
+        assert not_config == {"KVMESH_CONFIG", *redis}
+
+
+# --- remote tier --------------------------------------------------------------------------
+
+
+def test_redis_remote(rendered: dict, tmp_path: Path) -> None:
+    docs = rendered["redis-remote"]
+    cfg = _load(tmp_path, docs)
+    assert cfg.engine.remote.enabled
+    # The password stays out of the ConfigMap...
+    assert cfg.engine.remote.url == "redis://redis-master.redis.svc:6379/2"
+    assert "s3cret" not in config_text(docs)
+    assert not [d for d in docs if "cacheserver" in d["metadata"]["name"]]
+    # ...and reaches the workers from the Secret, through the environment.
+    c = container(one(docs, "StatefulSet", full_name("worker")))
+    secret = env_of(c)["KVMESH_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert secret == {"name": "kvmesh-redis", "key": "redis-password"}
+    env = _pod_env(c, secrets={"redis-password": "s3cret"})
+    pod_cfg = _load(tmp_path, docs, env=env)
+    assert pod_cfg.engine.remote.url == "redis://:s3cret@redis-master.redis.svc:6379/2"
+
+
+@pytest.mark.parametrize(
+    ("values", "url"),
+    [
+        (
+            {"backend": "redis-cluster", "redis": {"hosts": ["r-0.r:6379", "r-1.r:6379"]}},
+            "redis-cluster://r-0.r:6379,r-1.r:6379",
+        ),
+        ({"backend": "url", "url": "fs:///mnt/kv"}, "fs:///mnt/kv"),
+        ({"backend": "none"}, ""),
+    ],
+)
+def test_other_remote_backends(helm: str, tmp_path: Path, values: dict, url: str) -> None:
+    vf = values_file(tmp_path, {"remote": values, "cacheserver": {"enabled": False}})
+    docs = parse(render_text(helm, ["-f", str(vf)]))
+    cfg = _load(tmp_path, docs)
+    assert cfg.engine.remote.url == url
+    assert cfg.engine.remote.enabled == bool(url)
+    assert not of_kind(docs, "PodDisruptionBudget")
+
+
+# --- ServiceMonitor -------------------------------------------------------------------------
+
+
+def test_service_monitor_only_when_enabled(rendered: dict) -> None:
+    assert not of_kind(rendered["default"], "ServiceMonitor")
+    assert not of_kind(rendered["pd"], "ServiceMonitor")
+    docs = rendered["redis-remote"]
+    monitors = of_kind(docs, "ServiceMonitor")
+    assert {m["metadata"]["name"] for m in monitors} == {
+        full_name(c) for c in ("controller", "lookup", "worker")
+    }
+    for m in monitors:
+        assert m["apiVersion"] == "monitoring.coreos.com/v1"
+        assert m["metadata"]["labels"]["release"] == "prometheus"
+        assert m["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+        (endpoint,) = m["spec"]["endpoints"]
+        assert endpoint["path"] == "/metrics" and endpoint["interval"] == "15s"
+        # It selects exactly one Service, which has the port it scrapes.
+        services = [
+            s
+            for s in of_kind(docs, "Service")
+            if matches(m["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])
+            and endpoint["port"] in {p["name"] for p in s["spec"]["ports"]}
+        ]
+        assert len(services) == 1, m["metadata"]["name"]
+    controller = one(docs, "ServiceMonitor", full_name("controller"))
+    assert controller["spec"]["endpoints"][0]["port"] == "http"  # /metrics on the admin port
+
+
+# --- disaggregated prefill ------------------------------------------------------------------
+
+
+def test_pd_bridge_backends(rendered: dict, tmp_path: Path) -> None:
+    docs = rendered["pd"]
+    cfg = _load(tmp_path, docs)
+    decoder = one(docs, "StatefulSet", full_name("decoder"))
+    prefiller = one(docs, "StatefulSet", full_name("prefiller"))
+
+    def pod_host(sts: dict, i: int) -> str:
+        return f"{sts['metadata']['name']}-{i}.{sts['spec']['serviceName']}.{NAMESPACE}.svc"
+
+    assert [p.url for p in cfg.bridge.prefillers] == [f"http://{pod_host(prefiller, 0)}:8000"]
+    assert [(d.url, d.kv_endpoints) for d in cfg.bridge.decoders] == [
+        (f"http://{pod_host(decoder, i)}:8000", [f"tcp://{pod_host(decoder, i)}:7650"])
+        for i in range(2)
+    ]
+    assert decoder["spec"]["replicas"] == 2 and prefiller["spec"]["replicas"] == 1
+    # Decoders' DNS names resolve before they are ready (the bridge watches them start).
+    assert one(docs, "Service", decoder["spec"]["serviceName"])["spec"]["publishNotReadyAddresses"]
+    assert cfg.bridge.prefill_timeout_s == 20 and cfg.bridge.decode_timeout_s == 90
+    assert cfg.engine.layerwise and cfg.engine.pd.max_receive_fraction == 0.25
+    assert one(docs, "Service", full_name("bridge"))["spec"]["type"] == "NodePort"
+    cache = one(docs, "StatefulSet", full_name("cacheserver"))
+    assert cfg.cacheserver.lm_enabled and port_number(container(cache), "lm") == 7621
+
+
+# --- NOTES.txt ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value_set", SETS)
+def test_notes_render(helm: str, value_set: str, tmp_path: Path) -> None:
+    """NOTES.txt renders (`helm template` skips it, and `helm install --dry-run` wants a
+    cluster): a copy of the chart renders it inside a ConfigMap."""
+    chart = tmp_path / "kvmesh"
+    shutil.copytree(CHART, chart)
+    notes = (chart / "templates" / "NOTES.txt").read_text()
+    (chart / "templates" / "NOTES.txt").unlink()
+    (chart / "templates" / "_notes.tpl").write_text(
+        '{{- define "notes" -}}' + notes + "{{- end -}}"
+    )
+    (chart / "templates" / "notes.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n"
+        'data: {notes: {{ include "notes" . | quote }}}\n'
+    )
+    args = [*VALUE_SETS[value_set], "--show-only", "templates/notes.yaml"]
+    text = parse(render_text(helm, args, chart=chart))[0]["data"]["notes"]
+    assert f"port-forward svc/{full_name('controller')} 7601" in text
+    if value_set == "pd":
+        assert f"svc/{full_name('bridge')} 7630" in text
+    if value_set == "redis-remote":
+        assert "redis://redis-master.redis.svc:6379/2" in text and "ServiceMonitors" in text
+
+
+# --- the values schema and the templates' own checks ---------------------------------------
+
+BAD_VALUES = [
+    # (values, what the message must name)
+    ({"lookup": {"replicas": "two"}}, "lookup.replicas"),
+    ({"controller": {"replcas": 1}}, "replcas"),
+    ({"worker": {"ports": {"http": "8000"}}}, "worker.ports.http"),
+    ({"remote": {"backend": "memcached"}}, "remote.backend"),
+    ({"serviceMonitor": {"enabled": "yes"}}, "serviceMonitor.enabled"),
+    ({"cacheserver": {"spill": {"size": "lots"}}}, "cacheserver.spill.size"),
+    ({"typo_top_level": True}, "typo_top_level"),
+    # config: is checked against kvmesh's own schema (k8s/tools/config_schema.py).
+    ({"config": {"engine": {"chunk_sise": 256}}}, "chunk_sise"),
+    ({"config": {"engine": {"chunk_size": "big"}}}, "config.engine.chunk_size"),
+    ({"config": {"engine": {"chunk_size": 0}}}, "config.engine.chunk_size"),
+    ({"config": {"cacheserver": {"max_memory": "lots"}}}, "config.cacheserver.max_memory"),
+    ({"config": {"engine": {"l1": {"eviction_policy": "lifo"}}}}, "engine.l1.eviction_policy"),
+    ({"config": {"enigne": {}}}, "enigne"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("values", "named"), BAD_VALUES, ids=[n for _, n in BAD_VALUES])
+def test_schema_rejects_with_the_key_named(
+    helm: str, tmp_path: Path, values: dict, named: str
+) -> None:
+    vf = values_file(tmp_path, values)
+    for cmd in (
+        [helm, *template_args(["-f", str(vf)])],
+        [helm, "lint", "--strict", str(CHART), "-f", str(vf)],
+    ):
+        proc = run(cmd)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0, f"{cmd[1]} accepted {values}"
+        assert "values don't meet the specifications of the schema" in out, out
+        assert named in out, out
+
+
+TEMPLATE_ERRORS = [
+    ({"config": {"controller": {"port": 7700}}},
+     "config.controller.port is set by the chart; set controller.ports.zmq instead"),
+    ({"config": {"engine": {"remote": {"url": "redis://x:1"}}}}, "config.engine.remote.url"),
+    ({"config": {"engine": {"disk": {"path": "/x"}}}}, "config.engine.disk.path"),
+    ({"remote": {"backend": "redis"}, "cacheserver": {"enabled": False}}, "remote.redis.hosts"),
+    ({"remote": {"backend": "redis", "redis": {"hosts": ["a:1", "b:2"]}}}, "redis-cluster"),
+    ({"remote": {"backend": "url"}}, "remote.url"),
+    ({"cacheserver": {"enabled": False}}, "remote.backend is cacheserver"),
+    ({"bridge": {"enabled": True}}, "bridge.enabled needs decoders"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("values", "named"), TEMPLATE_ERRORS, ids=[n for _, n in TEMPLATE_ERRORS])
+def test_templates_refuse_inconsistent_values(
+    helm: str, tmp_path: Path, values: dict, named: str
+) -> None:
+    proc = run([helm, *template_args(["-f", str(values_file(tmp_path, values))])])
+    assert proc.returncode != 0
+    assert named in proc.stderr, proc.stderr
+
+
+def test_config_rule_errors_surface_in_kvmesh_validation(helm: str, tmp_path: Path) -> None:
+    """Rules between two keys are kvmesh's own: the chart renders them, kvmesh refuses
+    them with the key named (as every pod would at start-up)."""
+    vf = values_file(tmp_path, {"config": {"cacheserver": {"max_value_size": "2GiB"}}})
+    docs = parse(render_text(helm, ["-f", str(vf)]))
+    with pytest.raises(ConfigError, match=r"cacheserver\.max_value_size"):
+        _load(tmp_path, docs)
+
+
+def test_config_schema_matches_kvmesh() -> None:
+    """values.schema.json's config definitions are generated from common/config/schema.py."""
+    proc = run([sys.executable, str(ROOT / "k8s" / "tools" / "config_schema.py"), "--check"])
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_values_yaml_is_schema_valid_and_documented() -> None:
+    """Every top-level value is in the schema, and the schema forbids others."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert schema["additionalProperties"] is False
+    assert set(values) == set(schema["properties"])
