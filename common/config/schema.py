@@ -231,6 +231,11 @@ class ControllerConfig(_Section):
 
 
 class LookupConfig(_Section):
+    # Index subscribers (lookup-servers following the registry) that have not pinged
+    # for this long are dropped: nothing else tells the controller one is gone.
+    index_subscriber_timeout_s: PositiveSeconds = 10.0
+    # More subscribers than this are refused (each costs an encode per registry change).
+    max_index_subscribers: PositiveInt = 16
     host: str = "127.0.0.1"
     port: Port = 7610
     metrics_port: Port = 0
@@ -249,6 +254,27 @@ class LookupConfig(_Section):
 
 
 class CacheServerConfig(_Section):
+    # Keep a copy of the controller's registry, fed by the changes it pushes, and answer
+    # best_instances (and lookups by hashes) from it while it is in sync; false = ask
+    # the controller on every such request.
+    index: bool = True
+    # How often the copy is confirmed current (a ping the controller answers behind
+    # every change it pushed); a copy not confirmed for index_max_staleness_s is not
+    # used: requests then go to the controller.
+    index_ping_s: PositiveSeconds = 0.2
+    index_max_staleness_s: PositiveSeconds = 1.0
+    # Deadline of the snapshot the copy starts from (tens of MB for millions of chunks).
+    index_snapshot_timeout_s: PositiveSeconds = 30.0
+
+    def __post_init__(self) -> None:
+        # Pings at or past the staleness bound would let a healthy copy go stale
+        # between two confirmations.
+        if self.index_ping_s * 2 > self.index_max_staleness_s:
+            raise RuleError(
+                "index_max_staleness_s",
+                f"must be at least twice index_ping_s ({self.index_ping_s})",
+                related=("index_ping_s",),
+            )
     host: str = "127.0.0.1"
     port: Port = 7620
     metrics_port: Port = 0

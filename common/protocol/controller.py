@@ -37,6 +37,26 @@ before it was applied. Batches are fire-and-forget (no reply) unless refused.
   world size and per-rank namespaces (refused with BAD_REQUEST otherwise, as is an
   unknown instance). The results hold one `WorkerResult` per dst worker (fetch) and,
   for a move, per src worker (remove).
+- Index subscription (the lookup-server's copy of the registry, on the same ROUTER):
+  `IndexSubscribe` → `IndexSnapshotReply(epoch, seq, workers)`: every worker with its
+  chunks per tier as of publication `seq`, and the asking connection becomes a
+  subscriber. From then on the controller pushes, in order, one message per registry
+  change with the next seq: `WorkerJoined` (register, also of a worker already known:
+  its info is replaced, its chunks stay), `WorkerLeft` (deregister or dropped for
+  silence: its chunks go), `WorkerReplaced` (a FullState: the worker's chunks are
+  exactly these now) and `IndexEvents` (a KV event batch as runs of admits or evicts
+  in one tier). `IndexPing(epoch)` every few hundred ms keeps the subscription (one not
+  pinged for `index_subscriber_timeout_s` is dropped) and is answered by
+  `IndexTick(epoch, seq)`, which travels behind every push it counts: a tick with a
+  seq beyond the last push received means pushes were lost (the controller drops them
+  for a subscriber too far behind), and the subscriber subscribes again. A ping of a
+  connection that is not subscribed, or of another epoch (the controller restarted:
+  `epoch` is new each start), gets `ErrorReply(NOT_SUBSCRIBED)`; a restarted controller
+  first answers `NO_HELLO`.
+  Chunks travel as little-endian uint64 arrays of the registry's chunk ints:
+  `(low 64 bits of the chunk hash ^ namespace id) & CHUNK_INT_MASK`, the namespace
+  being the 16 hex digits before the `-` of a chunk key. 8 bytes a chunk, not a
+  49-character string; a prompt's chunk hash folds the same way per namespace.
 - Every reply is the matching `...Reply` or `ErrorReply(rid, code, message, retryable)`.
 
 Chunk keys travel as `ChunkKey.to_str()` strings. Evolution: fields are only appended,
@@ -54,6 +74,7 @@ from kvmesh.common.protocol import wire
 PROTOCOL_VERSION = 1
 MAX_EVENTS_PER_BATCH = 65_536
 MAX_LOOKUP_KEYS = 16_384
+CHUNK_INT_MASK = (1 << 60) - 1
 
 
 class ErrorCode(IntEnum):
@@ -69,10 +90,19 @@ class ErrorCode(IntEnum):
     DEADLINE_EXCEEDED = 8
     INTERNAL = 9
     SHUTTING_DOWN = 10
+    NOT_SUBSCRIBED = 11
 
 
-# Codes a client may retry after doing something about them (hello / register again).
-RETRYABLE = frozenset({ErrorCode.NO_HELLO, ErrorCode.NOT_REGISTERED, ErrorCode.SHUTTING_DOWN})
+# Codes a client may retry after doing something about them (hello / register /
+# subscribe again).
+RETRYABLE = frozenset(
+    {
+        ErrorCode.NO_HELLO,
+        ErrorCode.NOT_REGISTERED,
+        ErrorCode.SHUTTING_DOWN,
+        ErrorCode.NOT_SUBSCRIBED,
+    }
+)
 
 
 class EventKind(IntEnum):
@@ -214,6 +244,19 @@ class CheckFinish(wire.Message, tag="check_finish"):
     event_id: str
 
 
+class IndexSubscribe(wire.Message, tag="index_subscribe"):
+    """Snapshot the registry for an index and push its changes to this connection."""
+
+    rid: int
+
+
+class IndexPing(wire.Message, tag="index_ping"):
+    """Keep the subscription; answered by IndexTick behind every earlier push."""
+
+    rid: int
+    epoch: str
+
+
 Request = (
     Hello
     | Register
@@ -231,6 +274,8 @@ Request = (
     | Move
     | Compress
     | CheckFinish
+    | IndexSubscribe
+    | IndexPing
 )
 AdminRequest = Clear | Pin | Health | Move | Compress
 
@@ -259,6 +304,53 @@ class Command(wire.Message, tag="command"):
     # The worker answers within this many seconds (0: no deadline of its own).
     deadline_s: float = 0.0
 
+
+# -- controller → index subscribers (pushed, rid 0; seq counts pushes in an epoch) ----
+
+
+class IndexWorker(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    worker_id: str
+    instance_id: str
+    rank: int
+    world_size: int
+    namespaces: list[str]
+    p2p_endpoint: str = ""
+    lookup_endpoint: str = ""
+
+
+class WorkerJoined(wire.Message, tag="ix_join"):
+    rid: int
+    epoch: str
+    seq: int
+    worker: IndexWorker
+
+
+class WorkerLeft(wire.Message, tag="ix_leave"):
+    rid: int
+    epoch: str
+    seq: int
+    worker_id: str
+
+
+class WorkerReplaced(wire.Message, tag="ix_state"):
+    rid: int
+    epoch: str
+    seq: int
+    worker_id: str
+    tiers: dict[str, bytes]  # tier → uint64 chunk ints
+
+
+class IndexEvents(wire.Message, tag="ix_events"):
+    """One KV event batch: runs of (EventKind, tier, uint64 chunk ints), in order."""
+
+    rid: int
+    epoch: str
+    seq: int
+    worker_id: str
+    runs: list[tuple[int, str, bytes]]
+
+
+IndexPush = WorkerJoined | WorkerLeft | WorkerReplaced | IndexEvents
 
 # -- replies -------------------------------------------------------------------------
 
@@ -343,6 +435,24 @@ class AdminReply(wire.Message, tag="admin_r"):
     results: list[WorkerResult]
 
 
+class IndexWorkerState(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    worker: IndexWorker
+    tiers: dict[str, bytes]  # tier → uint64 chunk ints
+
+
+class IndexSnapshotReply(wire.Message, tag="index_snapshot_r"):
+    rid: int
+    epoch: str
+    seq: int  # the snapshot holds every push up to this one; seq + 1 comes next
+    workers: list[IndexWorkerState]
+
+
+class IndexTick(wire.Message, tag="index_tick"):
+    rid: int
+    epoch: str
+    seq: int  # the last push sent to this subscriber before this tick
+
+
 class ErrorReply(wire.Message, tag="error"):
     rid: int
     code: int
@@ -360,10 +470,12 @@ Reply = (
     | ListWorkersReply
     | PrefixCountsReply
     | AdminReply
+    | IndexSnapshotReply
+    | IndexTick
     | ErrorReply
 )
-# What a worker's socket receives: replies and the controller's pushes.
-WorkerInbound = Reply | Resync | Command
+# What a client's socket receives: replies and the controller's pushes.
+WorkerInbound = Reply | Resync | Command | IndexPush
 
 # A client's socket receives the controller's pushes too, so replies decode as
 # WorkerInbound.

@@ -12,12 +12,15 @@ connect DEALER sockets to the lookup-server's ROUTER. Every request carries `rid
   ranks, and the workers pin what they counted under `lookup_id` when `pin`. A rank
   that does not answer makes the answer 0 (`per_rank` holds -1 for it). With
   `hashes` (16-byte chained chunk hashes) there are no tokens to give the workers:
-  the answer comes from the controller's registry, in chunks × `chunk_size`, and
-  nothing is pinned. `l1_tokens` is the part of the prefix every rank holds in L1
+  the answer comes from the controller's registry (its copy in the lookup-server while
+  in sync: `source` "index"), in chunks × `chunk_size`, and nothing is pinned.
+  `l1_tokens` is the part of the prefix every rank holds in L1
   (registry view; -1 when the controller did not answer).
 - `Release(instance_id, lookup_id)`: drop the pins of a lookup on every rank.
 - `BestInstances(tokens | hashes, limit)` (router-facing): instances ranked by the
-  cached prefix length, from the controller's registry (no worker is asked).
+  cached prefix length, from the controller's registry (no worker is asked): the
+  lookup-server's own in-sync copy of it (`source` "index"), or the controller itself
+  (`source` "controller") while that copy is not in sync.
 - `Hello` → `HelloReply(version, server, chunk_size)`.
 - Errors: `ErrorReply(rid, code, message, retryable)`; anything malformed gets one,
   with `rid` 0 unless it could still be read.
@@ -108,7 +111,8 @@ class LookupReply(wire.Message, tag="lookup_r"):
     hit_tokens: int
     per_rank: list[int]  # each rank's answer (index = rank); -1: no answer
     l1_tokens: int = -1
-    source: str = "workers"  # "workers" or "controller" (a lookup by hashes)
+    # "workers", or for a lookup by hashes "index" or "controller" (see BestInstances)
+    source: str = "workers"
 
 
 class ReleaseReply(wire.Message, tag="release_r"):
@@ -126,6 +130,9 @@ class InstanceHit(msgspec.Struct, frozen=True, array_like=True, gc=False):
 class BestInstancesReply(wire.Message, tag="best_r"):
     rid: int
     instances: list[InstanceHit]  # longest cached prefix first
+    # "index": the lookup-server's own copy of the registry (in sync, see server.py);
+    # "controller": asked the controller.
+    source: str = "controller"
 
 
 class ErrorReply(wire.Message, tag="error"):

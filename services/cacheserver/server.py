@@ -3,7 +3,8 @@
 Listeners:
 - a ZMQ ROUTER (`host:port`) speaking kvmesh's protocol (common/protocol/cacheserver.py);
 - optionally LMCache's `lm://` protocol on `lm_port` (lm_listener.py);
-- optionally HTTP on `metrics_port`: `/metrics` and `/healthz` (http.py).
+- optionally HTTP on `metrics_port`: `/metrics` and `/healthz`, `/health`
+  (common/observability/http.py).
 
 The ROUTER is served from the event loop's selector (common/transport/router_loop.py),
 which hands each decoded header to the handler table (handlers.py): memory operations
@@ -34,11 +35,11 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvmesh.common.config import CacheServerConfig
 from kvmesh.common.observability import Metrics, get_logger
+from kvmesh.common.observability.http import ProbeServer
 from kvmesh.common.protocol import cacheserver as proto
 from kvmesh.common.protocol.cacheserver import ErrorCode
 from kvmesh.common.transport.router_loop import Answer, RouterLoop
 from kvmesh.services.cacheserver.handlers import Handlers, RequestError
-from kvmesh.services.cacheserver.http import HttpEndpoint
 from kvmesh.services.cacheserver.lm_listener import LmListener
 from kvmesh.services.cacheserver.spill import DiskSpill
 from kvmesh.services.cacheserver.stats import ServerStats
@@ -90,7 +91,7 @@ class CacheServer:
         self._stopped = asyncio.Event()
         self._closed = asyncio.Event()
         self.lm: LmListener | None = None
-        self.http: HttpEndpoint | None = None
+        self.http: ProbeServer | None = None
         self.port = 0
         self.stats.max_memory.set(int(config.max_memory))
 
@@ -114,7 +115,7 @@ class CacheServer:
             self.lm = LmListener(self.store, self.stats, cfg)
             await self.lm.start()
         if cfg.metrics_port:
-            self.http = HttpEndpoint(self.stats.metrics, self.health_report, cfg.host)
+            self.http = ProbeServer(self.stats.metrics, self.health_report, cfg.host)
             await self.http.start(cfg.metrics_port)
         log.info(
             "cacheserver ready",

@@ -25,11 +25,24 @@ from kvmesh.services.cli.serving import load_service_config, run_service
     "--controller-timeout-s", type=float, default=None, help="Deadline asking the controller."
 )
 @click.option("--chunk-size", type=int, default=None, help="The engines' chunk size.")
+@click.option("--metrics-port", type=int, default=None, help="/metrics and /health; 0 = off.")
+@click.option(
+    "--index/--no-index",
+    default=None,
+    help="Follow the controller's registry and answer from this copy while in sync.",
+)
+@click.option("--index-ping-s", type=float, default=None, help="Seconds between index pings.")
+@click.option(
+    "--index-max-staleness-s",
+    type=float,
+    default=None,
+    help="An index not confirmed for this long is not used.",
+)
 @click.option(
     "--ready-file",
     type=click.Path(dir_okay=False, path_type=str),
     default=None,
-    help="Write {pid, port} as JSON here once serving.",
+    help="Write {pid, port} (and metrics_port when served) as JSON here once serving.",
 )
 def lookup(config_file: str | None, ready_file: str | None, **options: Any) -> None:
     """Serve lookups until SIGTERM or Ctrl-C.
@@ -41,5 +54,9 @@ def lookup(config_file: str | None, ready_file: str | None, **options: Any) -> N
     from kvmesh.services.lookup.server import LookupService
 
     run_service(
-        "lookup", cfg, lambda: LookupService(cfg.lookup), ready_file, lambda s: {"port": s.port}
+        "lookup",
+        cfg,
+        lambda: LookupService(cfg.lookup),
+        ready_file,
+        lambda s: {"port": s.port, **({"metrics_port": s.http.port} if s.http else {})},
     )

@@ -15,6 +15,7 @@ from kvmesh.common.protocol import controller as proto
 from kvmesh.common.protocol.controller import ErrorCode
 from kvmesh.services.controller import move
 from kvmesh.services.controller.admin import AdminFanout
+from kvmesh.services.controller.index_feed import IndexFeed
 from kvmesh.services.controller.registry import Registry, WorkerEntry
 from kvmesh.services.controller.stats import ControllerStats
 
@@ -32,12 +33,14 @@ class Handlers:
         push: Callable[[bytes, Any], bool],
         *,
         server_name: str,
+        feed: IndexFeed,
     ) -> None:
         self.registry = registry
         self.stats = stats
         self.fanout = fanout
         self.push = push
         self.server_name = server_name
+        self.feed = feed
         self.table: dict[type, SyncHandler] = {
             proto.Register: self.register,
             proto.Deregister: self.deregister,
@@ -49,6 +52,8 @@ class Handlers:
             proto.ListWorkers: self.list_workers,
             proto.PrefixCounts: self.prefix_counts,
             proto.CheckFinish: self.check_finish,
+            proto.IndexSubscribe: feed.subscribe,
+            proto.IndexPing: feed.ping,
         }
         self.async_table: dict[type, AsyncHandler] = {
             proto.Clear: self.admin,

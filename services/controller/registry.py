@@ -10,13 +10,19 @@ then misses, which the P2P reader treats as a miss (it checks key and checksum).
 other), so "who holds this in L1" is a mask test and a longest-prefix lookup is a
 running AND over the keys. Each worker also keeps one set per tier of its chunk ints
 (the same int objects), so dropping a worker costs O(its chunks), not O(all).
+
+Every change is also told to `sink` when one is set (index_feed.py, which pushes them
+to the lookup-servers' copies): a worker (re)registered or gone, a worker's state
+replaced, and each event batch as runs of chunk ints.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from array import array
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import msgspec
 
@@ -65,6 +71,37 @@ class WorkerEntry:
         return {tier: len(keys) for tier, keys in self.tiers.items()}
 
 
+# (kind, tier, chunk ints): consecutive events of one kind in one tier.
+Run = tuple[int, str, list[int]]
+
+
+class RegistrySink(Protocol):
+    """Told of every registry change, after it is made."""
+
+    @property
+    def active(self) -> bool: ...  # False: nobody listens, runs need not be built
+    def joined(self, entry: WorkerEntry) -> None: ...
+    def left(self, worker_id: str) -> None: ...
+    def replaced(self, entry: WorkerEntry) -> None: ...
+    def events(self, entry: WorkerEntry, runs: list[Run]) -> None: ...
+
+
+def pack_ints(ints: object) -> bytes:
+    """Chunk ints as little-endian uint64s (the snapshot's and the wire's layout)."""
+    arr = array("Q", ints)  # type: ignore[call-overload]
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def unpack_ints(raw: bytes) -> array:
+    arr = array("Q")
+    arr.frombytes(raw)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr
+
+
 class _SnapWorker(msgspec.Struct, array_like=True):
     worker_id: str
     instance_id: str
@@ -90,6 +127,7 @@ class Registry:
         self.holders: dict[int, int] = {}
         self._slots: list[WorkerEntry | None] = []
         self.bad_keys = 0
+        self.sink: RegistrySink | None = None
 
     # -- membership ---------------------------------------------------------------------
     def register(
@@ -127,6 +165,8 @@ class Registry:
         entry.lookup_endpoint = lookup_endpoint
         entry.peer, entry.last_seen, entry.restored = peer, now, False
         entry.last_seq, entry.resync_sent = 0, 0.0
+        if self.sink is not None:
+            self.sink.joined(entry)
         return entry
 
     def _free_slot(self) -> int:
@@ -143,6 +183,8 @@ class Registry:
             return 0
         n = self._forget_chunks(entry)
         self._slots[entry.slot] = None
+        if self.sink is not None:
+            self.sink.left(worker_id)
         return n
 
     def _forget_chunks(self, entry: WorkerEntry) -> int:
@@ -164,12 +206,21 @@ class Registry:
         """Apply (kind, key, tier) events: kind 1 admit, 2 evict. A bad key is skipped
         and counted."""
         holders, tiers = self.holders, entry.tiers
+        sink = self.sink if self.sink is not None and self.sink.active else None
+        runs: list[Run] = []
+        run: list[int] = []
+        run_kind, run_tier = 0, ""
         for kind, key, tier in events:
             try:
                 k = chunk_int(key)
             except ValueError:
                 self.bad_keys += 1
                 continue
+            if sink is not None:
+                if kind != run_kind or tier != run_tier:
+                    run, run_kind, run_tier = [], kind, tier
+                    runs.append((kind, tier, run))
+                run.append(k)
             bit = entry.bit(tier)
             keys = tiers.get(tier)
             if keys is None:
@@ -184,12 +235,20 @@ class Registry:
                     holders[k] = m
                 else:
                     del holders[k]
+        if sink is not None and runs:
+            sink.events(entry, runs)
 
     def replace_state(self, entry: WorkerEntry, tiers: dict[str, list[str]]) -> int:
         """Make the worker's chunks exactly `tiers`; returns its chunk count."""
-        self._forget_chunks(entry)
-        for tier, keys in tiers.items():
-            self.apply(entry, [(1, key, tier) for key in keys])
+        sink, self.sink = self.sink, None  # one `replaced`, not a batch of admits per tier
+        try:
+            self._forget_chunks(entry)
+            for tier, keys in tiers.items():
+                self.apply(entry, [(1, key, tier) for key in keys])
+        finally:
+            self.sink = sink
+        if sink is not None:
+            sink.replaced(entry)
         return sum(len(s) for s in entry.tiers.values())
 
     # -- lookups ------------------------------------------------------------------------
@@ -301,7 +360,9 @@ class Registry:
         snap = msgspec.msgpack.decode(data, type=Snapshot)
         if snap.version != SNAPSHOT_VERSION:
             raise ValueError(f"snapshot version {snap.version}, expected {SNAPSHOT_VERSION}")
+        sink = self.sink
         self.__init__()
+        self.sink = sink
         now = time.monotonic()
         for w in snap.workers:
             entry = WorkerEntry(

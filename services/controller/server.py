@@ -5,6 +5,9 @@ Listeners:
   admin clients (KV events travel on it too: see that module for why);
 - optionally HTTP (`http_port`): the JSON admin API, `/metrics`, `/health` (http.py).
 
+Lookup-servers follow the registry through the ROUTER too: they subscribe, get a
+snapshot, then every change pushed (index_feed.py).
+
 The ROUTER is served from the event loop's selector, as in the cache-server
 (common/transport/router_loop.py: no future or task per message, which is what lets
 one core ingest hundreds of thousands of KV events a second); each decoded message goes
@@ -37,6 +40,7 @@ from kvmesh.common.transport.router_loop import Answer, RouterLoop
 from kvmesh.services.controller.admin import AdminFanout
 from kvmesh.services.controller.handlers import Handlers
 from kvmesh.services.controller.http import AdminHttp
+from kvmesh.services.controller.index_feed import IndexFeed
 from kvmesh.services.controller.registry import Registry
 from kvmesh.services.controller.stats import ControllerStats
 
@@ -58,8 +62,15 @@ class ControllerServer:
         self.stats = ControllerStats()
         self.registry = Registry()
         self.fanout = AdminFanout(self.push, config.admin_timeout_s)
+        self.feed = IndexFeed(
+            self.registry,
+            self.push,
+            self.stats,
+            max_subscribers=config.max_index_subscribers,
+            timeout_s=config.index_subscriber_timeout_s,
+        )
         self.handlers = Handlers(
-            self.registry, self.stats, self.fanout, self.push, server_name=name
+            self.registry, self.stats, self.fanout, self.push, server_name=name, feed=self.feed
         )
         self.sessions: dict[bytes, float] = {}
         self.started = time.monotonic()
@@ -125,6 +136,7 @@ class ControllerServer:
             "workers": len(self.registry.workers),
             "chunks": self.registry.chunks_total(),
             "protocol_version": proto.PROTOCOL_VERSION,
+            "index_subscribers": len(self.feed.subscribers),
         }
 
     # -- requests -----------------------------------------------------------------------
@@ -187,6 +199,7 @@ class ControllerServer:
                 last_freeze = now
                 gc.freeze()
             self.drop_silent(now)
+            self.feed.expire(now)
             for peer in [p for p, t in self.sessions.items() if now - t > SESSION_IDLE_S]:
                 del self.sessions[peer]
             self._update_gauges()

@@ -31,5 +31,16 @@ class ControllerStats:
         self.snapshot_seconds = m.gauge(
             "controller_snapshot_seconds", "Time the last snapshot took"
         )
+        self.index_subscribers = m.gauge(
+            "controller_index_subscribers", "Lookup-servers following the registry"
+        )
+        self.index_snapshots = m.counter(
+            "controller_index_snapshots_total", "Registry snapshots sent to index subscribers"
+        )
+        self.index_pushes = m.counter(
+            "controller_index_pushes_total", "Registry changes pushed to index subscribers"
+        )
+        for c in (self.index_snapshots, self.index_pushes):
+            c.inc(0)
         for c in (self.events, self.resyncs, self.snapshots, self.lookup_hit, self.lookup_miss):
             c.inc(0)

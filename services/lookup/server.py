@@ -11,8 +11,14 @@ workers or the controller), bounded by MAX_INFLIGHT, and always gets a reply.
   (workers.py), the answer is the minimum over ranks, and the ranks pin what they
   counted. An answer of 0 releases the pins of the ranks that did count.
 - Router-facing `BestInstances`: the prompt's chunk hashes (computed here with the
-  configured chunk size and hash) go to the controller, which ranks instances from
-  its registry (`PrefixCounts`).
+  configured chunk size and hash) are ranked per instance against the registry.
+
+The registry is read from the server's own copy (index.py, kept by follower.py from
+the controller's pushed changes) while that copy is in sync, and from the controller
+(`PrefixCounts`, `ListWorkers`) otherwise: see follower.py for the staleness rule.
+Replies say which (`source`), and `lookup_controller_fallbacks_total` counts the
+requests that had to ask. With `metrics_port`, `/metrics` and `/health` are served
+(common/observability/http.py).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import zmq.asyncio
 from kvmesh.common.config import LookupConfig
 from kvmesh.common.keys import KeyNamespace
 from kvmesh.common.observability import Metrics, get_logger
+from kvmesh.common.observability.http import ProbeServer
 from kvmesh.common.protocol import controller as cproto
 from kvmesh.common.protocol import lookup as wire
 from kvmesh.common.protocol import lookup_service as proto
@@ -39,12 +46,16 @@ from kvmesh.common.transport.controller_client import (
     ControllerError,
     ControllerUnavailable,
 )
+from kvmesh.services.lookup.follower import IndexFollower
 from kvmesh.services.lookup.workers import WorkerPool
 
 log = get_logger(__name__)
 
 MAX_INFLIGHT = 1024
 MAX_MESSAGE_BYTES = 64 << 20
+OPS = ("hello", "lookup", "release", "best", "invalid")
+# What an instance's worker list is read for; WorkerInfo (controller) or IndexWorker.
+Worker = cproto.WorkerInfo | cproto.IndexWorker
 
 
 class Unavailable(Exception):
@@ -58,12 +69,38 @@ class LookupService:
         self.config = config
         self.name = name
         self.port = 0
-        self.metrics = Metrics({"service": "lookup"})
-        requests = self.metrics.counter("lookup_service_requests_total", "Requests", ["op"])
-        self._requests = requests
-        self._errors = self.metrics.counter(
-            "lookup_service_errors_total", "Error replies, by code", ["code"]
+        self.metrics = m = Metrics({"service": "lookup"})
+        self._requests = m.counter(
+            "lookup_requests_total", "Requests, by op and outcome (ok or the error code)",
+            ["op", "outcome"],
+        )  # fmt: skip
+        seconds = m.histogram("lookup_request_seconds", "Time to answer a request", ["op"])
+        self._seconds = {op: seconds.labels(op=op) for op in OPS}
+        fallbacks = m.counter(
+            "lookup_controller_fallbacks_total",
+            "Registry reads that asked the controller (index off or not in sync), by op",
+            ["op"],
         )
+        from_index = m.counter(
+            "lookup_index_answers_total", "Registry reads answered from the index, by op", ["op"]
+        )
+        self._fallbacks = {op: fallbacks.labels(op=op) for op in OPS}
+        self._from_index = {op: from_index.labels(op=op) for op in OPS}
+        for c in (*self._fallbacks.values(), *self._from_index.values()):
+            c.inc(0)
+        self.started = time.monotonic()
+        self.http: ProbeServer | None = None
+        self.follower: IndexFollower | None = None
+        if config.index:
+            self.follower = IndexFollower(
+                config.controller_url,
+                m,
+                ping_s=config.index_ping_s,
+                max_staleness_s=config.index_max_staleness_s,
+                request_timeout_s=config.controller_timeout_s,
+                snapshot_timeout_s=config.index_snapshot_timeout_s,
+                name=f"{name}-index",
+            )
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._controller = ControllerConnection(
@@ -75,7 +112,7 @@ class LookupService:
         self._inflight: set[asyncio.Task] = set()
         self._closed = asyncio.Event()
         self._stopping = False
-        self._workers: dict[str, list[cproto.WorkerInfo]] = {}
+        self._workers: dict[str, list[Worker]] = {}
         self._workers_at = 0.0
         ns = KeyNamespace(model="-", kv_layout="-", dtype="-", world_size=1, rank=0)
         self._tokendb = ChunkedTokenDatabase(
@@ -101,19 +138,33 @@ class LookupService:
             self.port = sock.bind_to_random_port(f"tcp://{host}")
         self._sock = sock
         await self._controller.connect(hello=False)
+        if self.follower is not None:
+            await self.follower.start()
+        if self.config.metrics_port:
+            self.http = ProbeServer(self.metrics, self.health_report, self.config.host)
+            await self.http.start(self.config.metrics_port)
         self._tasks = [asyncio.create_task(self._serve(), name="lookup-serve")]
-        log.info("lookup-server ready", port=self.port, controller=self.config.controller_url)
+        log.info(
+            "lookup-server ready",
+            port=self.port,
+            metrics_port=self.http.port if self.http else None,
+            controller=self.config.controller_url,
+        )
 
     async def stop(self) -> None:
         """Cancel tasks, then close the sockets, then the context."""
         if self._stopping:
             return
         self._stopping = True
+        if self.http is not None:
+            await self.http.stop()
         tasks = [*self._tasks, *self._inflight]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self._controller.close()
+        if self.follower is not None:
+            await self.follower.stop()
         await self._pool.close()
         if self._sock is not None:
             self._sock.close(0)
@@ -125,6 +176,26 @@ class LookupService:
     async def wait_closed(self) -> None:
         await self._closed.wait()
 
+    def health_report(self) -> dict[str, Any]:
+        report: dict[str, Any] = {
+            "status": "ok",
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "protocol_version": proto.PROTOCOL_VERSION,
+            "index": {"enabled": self.follower is not None},
+        }
+        f = self.follower
+        if f is not None:
+            index = f.index
+            report["index"] |= {
+                "in_sync": f.in_sync(),
+                "staleness_s": f.staleness_s(),
+                "epoch": f.epoch,
+                "seq": f.seq,
+                "chunks": index.chunks if index else 0,
+                "workers": len(index.workers) if index else 0,
+            }
+        return report
+
     # -- the ROUTER loop ----------------------------------------------------------------
     async def _serve(self) -> None:
         assert self._sock is not None
@@ -135,35 +206,42 @@ class LookupService:
             peer = frames[0].bytes
             if len(frames) != 2:
                 err = proto.error_reply(0, ErrorCode.BAD_MESSAGE, "one frame expected")
-                await self._send(peer, err)
+                await self._send(peer, err, "invalid")
                 continue
             try:
                 msg = proto.decode_request(frames[1].buffer)
             except proto.MalformedMessage as exc:
-                self._requests.labels(op="invalid").inc()
-                await self._send(peer, exc.reply)
+                await self._send(peer, exc.reply, "invalid")
                 continue
-            self._requests.labels(op=msg.__struct_config__.tag).inc()
             if len(self._inflight) >= MAX_INFLIGHT:
-                await self._send(peer, proto.error_reply(msg.rid, ErrorCode.SHUTTING_DOWN, "busy"))
+                busy = proto.error_reply(msg.rid, ErrorCode.SHUTTING_DOWN, "busy")
+                await self._send(peer, busy, msg.__struct_config__.tag)
                 continue
             task = asyncio.create_task(self._handle(peer, msg))
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
 
     async def _handle(self, peer: bytes, msg: Any) -> None:
+        op = msg.__struct_config__.tag
+        t0 = time.perf_counter()
         try:
             reply = await self._handlers[type(msg)](msg)
         except Unavailable as exc:
             reply = proto.error_reply(msg.rid, ErrorCode.UNAVAILABLE, str(exc))
         except Exception as exc:  # a bug: answer, log, keep serving
-            log.exception("lookup request failed", op=msg.__struct_config__.tag)
+            log.exception("lookup request failed", op=op)
             reply = proto.error_reply(msg.rid, ErrorCode.INTERNAL, repr(exc))
-        await self._send(peer, reply)
+        self._seconds[op].observe(time.perf_counter() - t0)
+        await self._send(peer, reply, op)
 
-    async def _send(self, peer: bytes, reply: proto.Reply) -> None:
+    async def _send(self, peer: bytes, reply: proto.Reply, op: str) -> None:
+        outcome = "ok"
         if isinstance(reply, proto.ErrorReply):
-            self._errors.labels(code=str(reply.code)).inc()
+            try:
+                outcome = ErrorCode(reply.code).name.lower()
+            except ValueError:
+                outcome = str(reply.code)
+        self._requests.labels(op=op, outcome=outcome).inc()
         sock = self._sock
         if sock is None:
             return
@@ -190,26 +268,40 @@ class LookupService:
                 raise Unavailable(f"controller did not answer: {exc}") from None
         raise Unavailable("controller keeps asking for a hello")
 
-    async def _instance_workers(self, instance_id: str) -> list[cproto.WorkerInfo]:
+    async def _instance_workers(self, instance_id: str, op: str) -> list[Worker]:
+        index = self.follower.synced_index() if self.follower is not None else None
+        if index is not None:
+            self._from_index[op].inc()
+            return list(index.instance_workers(instance_id))
         now = time.monotonic()
         stale = now - self._workers_at > self.config.registry_refresh_s
         # An instance not seen yet may have just registered: re-read at once (but not
         # more than every 50 ms, so unknown ids cannot hammer the controller).
         if stale or (instance_id not in self._workers and now - self._workers_at > 0.05):
+            self._fallbacks[op].inc()
             reply = await self._ask_controller(cproto.ListWorkers, cproto.ListWorkersReply)
-            grouped: dict[str, list[cproto.WorkerInfo]] = {}
+            grouped: dict[str, list[Worker]] = {}
             for w in reply.workers:
                 grouped.setdefault(w.instance_id, []).append(w)
             self._workers, self._workers_at = grouped, time.monotonic()
         return self._workers.get(instance_id, [])
 
-    async def _prefix_counts(self, hashes: list[bytes], instance_id: str = "") -> list:
+    async def _prefix_counts(
+        self, hashes: list[bytes], op: str, instance_id: str = ""
+    ) -> tuple[list[cproto.InstancePrefix], str]:
+        """Per instance, the leading chunks of hashes it holds; and where that came from."""
+        index = self.follower.synced_index() if self.follower is not None else None
+        if index is not None:
+            self._from_index[op].inc()
+            found = index.prefix_counts(hashes, instance_id) if hashes else []
+            return [cproto.InstancePrefix(*c) for c in found], "index"
         if not hashes:
-            return []
+            return [], "controller"
+        self._fallbacks[op].inc()
         reply = await self._ask_controller(
             lambda rid: cproto.PrefixCounts(rid, hashes, instance_id), cproto.PrefixCountsReply
         )
-        return reply.instances
+        return reply.instances, "controller"
 
     def _hashes(self, tokens: bytes) -> list[bytes]:
         return self._tokendb.chunk_hashes(wire.decode_tokens(tokens))
@@ -219,17 +311,17 @@ class LookupService:
         return proto.HelloReply(msg.rid, proto.PROTOCOL_VERSION, self.name, self.config.chunk_size)
 
     async def _lookup(self, msg: proto.Lookup) -> proto.Reply:
-        workers = await self._instance_workers(msg.instance_id)
+        workers = await self._instance_workers(msg.instance_id, "lookup")
         if not workers:
             return proto.error_reply(
                 msg.rid, ErrorCode.UNKNOWN_INSTANCE, f"no worker of {msg.instance_id!r} registered"
             )
         size = self.config.chunk_size
         if msg.hashes or not msg.tokens:
-            counts = await self._prefix_counts(msg.hashes, msg.instance_id)
+            counts, source = await self._prefix_counts(msg.hashes, "lookup", msg.instance_id)
             c = counts[0] if counts else None
             hit = c.chunks * size if c else 0
-            return proto.LookupReply(msg.rid, hit, [], c.l1_chunks * size if c else 0, "controller")
+            return proto.LookupReply(msg.rid, hit, [], c.l1_chunks * size if c else 0, source)
         world = max(w.world_size for w in workers)
         endpoints = [""] * world
         for w in workers:
@@ -256,7 +348,8 @@ class LookupService:
     async def _l1_tokens(self, msg: proto.Lookup) -> int:
         """The registry's view of the L1 part of the prefix; -1 when not known."""
         try:
-            counts = await self._prefix_counts(self._hashes(msg.tokens), msg.instance_id)
+            hashes = self._hashes(msg.tokens)
+            counts, _ = await self._prefix_counts(hashes, "lookup", msg.instance_id)
         except Unavailable:
             return -1
         return counts[0].l1_chunks * self.config.chunk_size if counts else 0
@@ -268,7 +361,7 @@ class LookupService:
         return await self._pool.send_all(endpoints, make)
 
     async def _release(self, msg: proto.Release) -> proto.Reply:
-        workers = await self._instance_workers(msg.instance_id)
+        workers = await self._instance_workers(msg.instance_id, "release")
         if not workers:
             return proto.error_reply(
                 msg.rid, ErrorCode.UNKNOWN_INSTANCE, f"no worker of {msg.instance_id!r} registered"
@@ -279,12 +372,12 @@ class LookupService:
     async def _best(self, msg: proto.BestInstances) -> proto.Reply:
         hashes = msg.hashes or self._hashes(msg.tokens)
         size = self.config.chunk_size
-        counts = await self._prefix_counts(hashes)
+        counts, source = await self._prefix_counts(hashes, "best")
         found = [
             proto.InstanceHit(c.instance_id, c.chunks * size, c.l1_chunks * size, c.world_size)
             for c in counts
         ]
-        return proto.BestInstancesReply(msg.rid, found[: msg.limit] if msg.limit else found)
+        return proto.BestInstancesReply(msg.rid, found[: msg.limit] if msg.limit else found, source)
 
 
 async def _none() -> int:

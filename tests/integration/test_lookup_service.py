@@ -154,8 +154,10 @@ def test_lookup_asks_the_instance_workers_and_they_pin(mesh) -> None:
     wait_for(lambda: "q-a" not in eng_a.pins, 5, "A's pins released")
     assert (b.hit_tokens, b.per_rank) == (16, [16])
     assert (other.hit_tokens, other.per_rank) == (0, [0])
-    # By chunk hashes (B's two): answered from the controller's registry, no pins.
-    assert (by_hash.hit_tokens, by_hash.source, by_hash.per_rank) == (16, "controller", [])
+    # By chunk hashes (B's two): answered from the registry (the lookup-server's copy
+    # once in sync, else the controller's), no pins.
+    assert (by_hash.hit_tokens, by_hash.per_rank) == (16, [])
+    assert by_hash.source in ("index", "controller")
 
 
 def test_best_instances_ranks_by_cached_prefix(mesh) -> None:
@@ -311,10 +313,17 @@ def test_controller_down_is_an_unavailable_reply(tmp_path: Path) -> None:
         controller.stop()
 
         async def down(c: LookupServiceClient):
-            t0 = time.monotonic()
-            with pytest.raises(LookupServiceError) as err:
-                await c.best_instances(PROMPT)
-            return err.value, time.monotonic() - t0
+            # Answered from the lookup-server's copy of the registry while that is
+            # fresh (lookup.index_max_staleness_s), then UNAVAILABLE; never a hang.
+            give_up = time.monotonic() + 10.0
+            while True:
+                t0 = time.monotonic()
+                try:
+                    assert await c.best_instances(PROMPT) == []
+                except LookupServiceError as exc:
+                    return exc, time.monotonic() - t0
+                assert time.monotonic() - t0 < 5.0 and time.monotonic() < give_up
+                await asyncio.sleep(0.1)
 
         err, took = lookup_service(service.url, down)
         assert err.code == proto.ErrorCode.UNAVAILABLE and took < 5.0

@@ -1,0 +1,67 @@
+"""One small HTTP endpoint for a service's probes, on the service's own event loop:
+
+GET /metrics            the Prometheus text format of the service's `Metrics`
+GET /health, /healthz   200 and a JSON summary (the service's `health()`) while it serves
+
+HEAD works on each; any other method gets 405, any other path 404. aiohttp parses
+HTTP (keep-alive, pipelining, size limits), so no service carries an HTTP parser of
+its own; a slow client cannot hold the loop, aiohttp reads with its own timeouts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from kvmesh.common.observability.metrics import Metrics
+
+PROMETHEUS_TYPE = "text/plain; version=0.0.4"
+HEALTH_PATHS = ("/health", "/healthz")
+SHUTDOWN_S = 1.0
+
+
+class ProbeServer:
+    """`/metrics` and `/health` on host:port; build, `await start(port)`, `await stop()`."""
+
+    def __init__(
+        self, metrics: Metrics, health: Callable[[], dict[str, Any]], host: str = "127.0.0.1"
+    ) -> None:
+        self.metrics = metrics
+        self.health = health
+        self.host = host
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, port: int) -> None:
+        """Listen on port (0: any free one, then in `port`)."""
+        app = web.Application()
+        app.router.add_route("*", "/{path:.*}", self._handle)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, port, shutdown_timeout=SHUTDOWN_S)
+        try:
+            await site.start()
+        except OSError:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        server = site._server  # aiohttp keeps the bound socket there only
+        assert server is not None
+        self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    async def stop(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        if request.method not in ("GET", "HEAD"):
+            return web.Response(status=405, text="GET only\n", headers={"Allow": "GET, HEAD"})
+        if request.path == "/metrics":
+            body = self.metrics.render()
+            return web.Response(body=body, content_type=PROMETHEUS_TYPE, charset="utf-8")
+        if request.path in HEALTH_PATHS:
+            return web.json_response(self.health())
+        return web.Response(status=404, text="try /metrics or /health\n")

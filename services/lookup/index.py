@@ -1,0 +1,223 @@
+"""The lookup-server's copy of the controller's registry: which worker holds which
+chunk in which tier, enough to answer prefix counts (BestInstances, lookups by hashes)
+and an instance's workers, without asking the controller.
+
+Fed by the controller's index pushes (follower.py); keyed like the registry, by the
+60-bit chunk int `(chunk hash ^ namespace id) & CHUNK_INT_MASK`, with `holders[chunk]`
+a bitmask of TIER_BITS bits per worker slot (l1, disk, remote, other).
+
+Memory: the holders dict is all there is per chunk (about 100 bytes: the key int, the
+mask and the dict entry); unlike the registry it keeps no per-worker set of chunks.
+The price is that a worker leaving (or replacing its state) cannot clear its bits
+itself: its slot is retired instead. Queries only read the bits of live workers'
+slots, so a retired slot's bits are invisible at once, and `sweep` clears them in
+bounded steps later (the server runs it between requests); a retired slot is reused
+only once swept.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from dataclasses import dataclass
+
+from kvmesh.common.protocol import controller as proto
+
+TIER_BITS = 4
+TIER_INDEX = {"l1": 0, "disk": 1, "remote": 2}
+OTHER_TIER = 3
+_SLOT_MASK = (1 << TIER_BITS) - 1
+_MASK = proto.CHUNK_INT_MASK
+_RETIRED = ""  # a slot whose bits may linger: not reusable until swept
+
+
+class UnknownWorker(KeyError):
+    """A change for a worker the index does not know: the copy has diverged."""
+
+
+@dataclass(slots=True, eq=False)
+class IndexedWorker:
+    info: proto.IndexWorker
+    slot: int
+    namespaces: list[int]
+
+    def bit(self, tier: str) -> int:
+        return 1 << (self.slot * TIER_BITS + TIER_INDEX.get(tier, OTHER_TIER))
+
+    @property
+    def slot_bits(self) -> int:
+        return _SLOT_MASK << (self.slot * TIER_BITS)
+
+
+def unpack_ints(raw: bytes) -> array:
+    """The wire's little-endian uint64 chunk ints."""
+    arr = array("Q")
+    arr.frombytes(raw)
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr
+
+
+class ChunkIndex:
+    def __init__(self) -> None:
+        self.holders: dict[int, int] = {}
+        self.workers: dict[str, IndexedWorker] = {}
+        self._slots: list[str | None] = []  # worker id, _RETIRED, or None (free)
+        self._retired: list[int] = []
+        self._sweep_keys: list[int] | None = None
+        self._sweep_pos = 0
+        self._sweep_slots: list[int] = []
+        self._sweep_keep = -1
+
+    # -- membership -----------------------------------------------------------------------
+    def join(self, info: proto.IndexWorker) -> IndexedWorker:
+        """Add a worker, or update one already known (its chunks stay)."""
+        namespaces = [int(ns, 16) for ns in info.namespaces]
+        w = self.workers.get(info.worker_id)
+        if w is None:
+            w = IndexedWorker(info, self._take_slot(info.worker_id), namespaces)
+            self.workers[info.worker_id] = w
+        else:
+            w.info, w.namespaces = info, namespaces
+        return w
+
+    def leave(self, worker_id: str) -> None:
+        w = self.workers.pop(worker_id, None)
+        if w is not None:
+            self._retire(w.slot)
+
+    def replace(self, worker_id: str, tiers: dict[str, bytes]) -> None:
+        """The worker's chunks are exactly `tiers` now: a fresh slot, the old one retired."""
+        w = self._worker(worker_id)
+        self._retire(w.slot)
+        w.slot = self._take_slot(worker_id)
+        for tier, raw in tiers.items():
+            self.apply(w, proto.EventKind.ADMIT, tier, unpack_ints(raw))
+
+    def _take_slot(self, worker_id: str) -> int:
+        for i, owner in enumerate(self._slots):
+            if owner is None:
+                self._slots[i] = worker_id
+                return i
+        self._slots.append(worker_id)
+        return len(self._slots) - 1
+
+    def _retire(self, slot: int) -> None:
+        self._slots[slot] = _RETIRED
+        self._retired.append(slot)
+
+    def _worker(self, worker_id: str) -> IndexedWorker:
+        w = self.workers.get(worker_id)
+        if w is None:
+            raise UnknownWorker(worker_id)
+        return w
+
+    def worker(self, worker_id: str) -> IndexedWorker:
+        """The worker, or UnknownWorker."""
+        return self._worker(worker_id)
+
+    def instance_workers(self, instance_id: str) -> list[proto.IndexWorker]:
+        return [w.info for w in self.workers.values() if w.info.instance_id == instance_id]
+
+    # -- chunks ---------------------------------------------------------------------------
+    def apply(self, w: IndexedWorker, kind: int, tier: str, chunks: array | list[int]) -> None:
+        holders, bit = self.holders, w.bit(tier)
+        if kind == proto.EventKind.ADMIT:
+            for k in chunks:
+                holders[k] = holders.get(k, 0) | bit
+            return
+        clear = ~bit
+        for k in chunks:
+            m = holders.get(k)
+            if m is not None:
+                m &= clear
+                if m:
+                    holders[k] = m
+                else:
+                    del holders[k]
+
+    @property
+    def chunks(self) -> int:
+        """Distinct chunks held (a retired slot's not yet swept included)."""
+        return len(self.holders)
+
+    # -- queries --------------------------------------------------------------------------
+    def prefix_counts(
+        self, hashes: list[bytes], instance_id: str = ""
+    ) -> list[tuple[str, int, int, int, int]]:
+        """(instance id, world size, ranks known, chunks, l1 chunks) per instance (or just
+        instance_id), most chunks first: the leading run of hashes every rank holds in
+        any tier, and in L1. An instance missing a rank holds nothing. The controller's
+        PrefixCounts, answered here."""
+        tails = [int.from_bytes(h[8:16], "big") for h in hashes]
+        runs: dict[str, list[tuple[int, int]]] = {}
+        sizes: dict[str, int] = {}
+        for w in self.workers.values():
+            inst = w.info.instance_id
+            if instance_id and inst != instance_id:
+                continue
+            sizes[inst] = max(sizes.get(inst, 0), w.info.world_size)
+            best = (0, 0)
+            for ns in w.namespaces:
+                best = max(best, self._run(tails, ns, w.slot_bits, w.bit("l1")))
+            runs.setdefault(inst, []).append(best)
+        out = []
+        for inst, found in runs.items():
+            full = len(found) >= sizes[inst]
+            chunks = min(r[0] for r in found) if full else 0
+            l1_chunks = min(r[1] for r in found) if full else 0
+            out.append((inst, sizes[inst], len(found), chunks, l1_chunks))
+        out.sort(key=lambda t: (-t[3], -t[4], t[0]))
+        return out
+
+    def _run(self, tails: list[int], ns: int, any_bits: int, l1_bit: int) -> tuple[int, int]:
+        holders = self.holders
+        n = n_l1 = 0
+        in_l1 = True
+        for tail in tails:
+            m = holders.get((tail ^ ns) & _MASK, 0)
+            if not m & any_bits:
+                break
+            n += 1
+            if in_l1 and m & l1_bit:
+                n_l1 += 1
+            else:
+                in_l1 = False
+        return n, n_l1
+
+    # -- cleanup --------------------------------------------------------------------------
+    def sweep(self, budget: int = 50_000) -> bool:
+        """Clear retired slots' bits from up to `budget` chunks; True once none is left.
+
+        A sweep works on the chunks present when it began: chunks added later cannot
+        carry a retired slot's bits (no change is applied to a retired slot)."""
+        if self._sweep_keys is None:
+            if not self._retired:
+                return True
+            self._sweep_slots, self._retired = self._retired, []
+            keep = 0
+            for slot in self._sweep_slots:
+                keep |= _SLOT_MASK << (slot * TIER_BITS)
+            self._sweep_keep = ~keep
+            self._sweep_keys, self._sweep_pos = list(self.holders), 0
+        keys, pos, keep, holders = self._sweep_keys, self._sweep_pos, self._sweep_keep, self.holders
+        for k in keys[pos : pos + budget]:
+            m = holders.get(k)
+            if m is not None and m & ~keep:
+                m &= keep
+                if m:
+                    holders[k] = m
+                else:
+                    del holders[k]
+        self._sweep_pos = pos + budget
+        if self._sweep_pos < len(keys):
+            return False
+        for slot in self._sweep_slots:
+            self._slots[slot] = None
+        self._sweep_keys, self._sweep_slots = None, []
+        return not self._retired
+
+    @property
+    def slots(self) -> int:
+        """Slots in use or waiting for a sweep (bits per chunk mask / TIER_BITS)."""
+        return sum(owner is not None for owner in self._slots)
