@@ -38,9 +38,11 @@ class ProbeServer:
         """Listen on port (0: any free one, then in `port`)."""
         app = web.Application()
         app.router.add_route("*", "/{path:.*}", self._handle)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_S
+        )
         await runner.setup()
-        site = web.TCPSite(runner, self.host, port, shutdown_timeout=SHUTDOWN_S)
+        site = web.TCPSite(runner, self.host, port)
         try:
             await site.start()
         except OSError:

@@ -38,6 +38,8 @@ REQUESTS = [
     proto.Register(16, "inst", 0, 1, [], "", 1.0, "tcp://h:2"),
     proto.Move(17, "ev", [], "a", "b", False, 30.0),
     proto.CommandReply(18, "b/0", False, 2, "1 of 3 chunks not copied", {"failed": 1}, [KEY]),
+    proto.IndexSubscribe(19),
+    proto.IndexPing(20, "epoch"),
 ]
 REPLIES = [
     proto.HelloReply(1, 1, "c"),
@@ -50,6 +52,25 @@ REPLIES = [
     proto.AdminReply(9, "ev", True, [proto.WorkerResult("a/0", False, 0, "timeout")]),
     proto.ErrorReply(10, 1, "bad", False),
     proto.PrefixCountsReply(11, [proto.InstancePrefix("a", 2, 2, 3, 1)]),
+    proto.IndexSnapshotReply(
+        12,
+        "ep",
+        7,
+        [
+            proto.IndexWorkerState(
+                proto.IndexWorker("a/0", "a", 0, 1, ["0123456789abcdef"], "", "tcp://h:2"),
+                {"l1": bytes(16)},
+            )
+        ],
+    ),
+    proto.IndexTick(13, "ep", 7),
+    # Pushes to index subscribers (rid 0).
+    proto.WorkerJoined(
+        0, "ep", 8, proto.IndexWorker("a/0", "a", 0, 1, ["0123456789abcdef"], "", "tcp://h:2")
+    ),
+    proto.WorkerLeft(0, "ep", 9, "a/0"),
+    proto.WorkerReplaced(0, "ep", 10, "a/0", {"disk": bytes(8)}),
+    proto.IndexEvents(0, "ep", 11, "a/0", [(1, "l1", bytes(8)), (2, "disk", bytes(24))]),
 ]
 
 

@@ -1,0 +1,43 @@
+"""common/observability/http.py: the probe server every service shares answers
+/metrics, /health and /healthz (GET and HEAD), 405 for other methods, 404 elsewhere,
+and frees its port on stop."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import aiohttp
+
+from kvmesh.common.observability import Metrics
+from kvmesh.common.observability.http import ProbeServer
+
+
+def test_probe_server_paths_methods_and_stop() -> None:
+    async def main() -> None:
+        metrics = Metrics({"service": "t"})
+        metrics.counter("probe_test_total", "A counter").inc(3)
+        server = ProbeServer(metrics, lambda: {"status": "ok", "n": 1})
+        await server.start(0)
+        base = f"http://127.0.0.1:{server.port}"
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.get(f"{base}/metrics") as r:
+                    text = await r.text()
+                    assert r.status == 200 and r.content_type == "text/plain"
+                    assert 'kvmesh_probe_test_total{service="t"} 3.0' in text
+                for path in ("/health", "/healthz"):
+                    async with s.get(base + path) as r:
+                        assert r.status == 200 and await r.json() == {"status": "ok", "n": 1}
+                async with s.head(f"{base}/health") as r:
+                    assert r.status == 200
+                async with s.post(f"{base}/metrics", data=b"x") as r:
+                    assert r.status == 405
+                async with s.get(f"{base}/nope") as r:
+                    assert r.status == 404
+        finally:
+            await server.stop()
+        with socket.socket() as sock:  # the port is free again
+            sock.bind(("127.0.0.1", server.port))
+
+    asyncio.run(main())
