@@ -309,6 +309,9 @@ class CacheServerConfig(_Section):
             )
 
 
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+
+
 def _check_http_url(field: str, url: str) -> None:
     scheme, sep, rest = url.partition("://")
     if not sep or scheme.lower() not in ("http", "https") or not rest.split("/", 1)[0]:
@@ -320,6 +323,10 @@ class BackendConfig(_Section):
 
     # The server's base URL, without /v1: http://host:port.
     url: str = ""
+    # The kvmesh instance id of this server's engines (the connector's `instance_id`
+    # in kv_connector_extra_config): how the lookup-server's answers name it. Needed
+    # by KV-aware routing (bridge.lookup_url).
+    instance_id: str = ""
 
     def __post_init__(self) -> None:
         _check_http_url("url", self.url)
@@ -357,6 +364,21 @@ class BridgeConfig(_Section):
     # Larger request bodies are refused with 413.
     max_body_bytes: ByteSize = ByteSize("1MiB")
     health_interval_s: PositiveSeconds = 2.0
+    # KV-aware routing: the lookup-server (tcp://host:port) asked which backend holds
+    # the longest prefix of a prompt; "" = off (the least loaded backend gets it).
+    lookup_url: str = ""
+    # Deadlines of the routing calls; past either the request goes to the least loaded
+    # backend: the backend's POST /tokenize, and the lookup-server's answer.
+    tokenize_timeout_s: PositiveSeconds = 0.25
+    lookup_timeout_s: PositiveSeconds = 0.05
+    # A cached prefix shorter than this does not steer a request (one chunk at the
+    # default engine.chunk_size); with PD, a decoder missing fewer tokens than this
+    # of the prompt computes them itself instead of waiting for a prefill.
+    lookup_min_hit_tokens: PositiveInt = 256
+    # A backend holding the prefix gets the request only while it has at most this many
+    # requests in flight more than the least loaded one: a hot prefix must not pile
+    # every request onto one server.
+    lookup_max_extra_inflight: NonNegativeInt = 4
 
     def __post_init__(self) -> None:
         if self.max_body_bytes == 0:
@@ -368,6 +390,30 @@ class BridgeConfig(_Section):
             dup = next((u for u in urls if urls.count(u) > 1), None)
             if dup is not None:
                 raise RuleError(name, f"lists {dup} more than once")
+        if self.lookup_url:
+            self._check_lookup()
+
+    def _check_lookup(self) -> None:
+        scheme, sep, rest = self.lookup_url.partition("://")
+        if not sep or scheme not in ("tcp", "ipc") or not rest:
+            raise RuleError(
+                "lookup_url", f"expected tcp://host:port or ipc://path (got {self.lookup_url!r})"
+            )
+        # Without its id a backend could never be matched to a cache hit: refuse the
+        # config rather than route by load alone without saying so.
+        seen: dict[str, str] = {}
+        for name, backends in (("prefillers", self.prefillers), ("decoders", self.decoders)):
+            for i, b in enumerate(backends):
+                # The list is the key a config layer set, so the error can say where.
+                where = f"[{i}].instance_id ({b.url})"
+                if not b.instance_id:
+                    raise RuleError(
+                        name, f"{where}: required while lookup_url is set", ("lookup_url",)
+                    )
+                if b.instance_id in seen:
+                    other = seen[b.instance_id]
+                    raise RuleError(name, f"{where}: {b.instance_id!r} is also {other}")
+                seen[b.instance_id] = f"{name}{where}"
 
 
 class LoggingConfig(_Section):

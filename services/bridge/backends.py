@@ -34,9 +34,12 @@ class Backend:
         url: str,
         kv_endpoints: list[str] | None = None,
         stats: BridgeStats | None = None,
+        instance_id: str = "",
     ) -> None:
         self.role = role
         self.url = url.rstrip("/")
+        # Its kvmesh instance id: how the lookup-server names it ("" = unknown).
+        self.instance_id = instance_id
         self.kv_endpoints = list(kv_endpoints or [])
         self.inflight = 0
         self.state: State = "unknown"
@@ -72,6 +75,7 @@ class Backend:
         out: dict[str, Any] = {
             "url": self.url,
             "state": self.state,
+            "instance_id": self.instance_id or None,
             "inflight": self.inflight,
             "checked_s_ago": age,
         }

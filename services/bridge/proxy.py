@@ -1,6 +1,11 @@
 """One client request through the bridge: pick a decoder and a prefiller, prefill,
 decode, answer.
 
+With `lookup_url` set, the backend that computes the prompt (the prefiller, else the
+decoder) is the one holding the longest cached prefix of it (prefix_lookup.py asks,
+routing.py chooses); a lookup that fails or has nothing worth it leaves the least
+loaded one, and the request goes on: routing never fails a request.
+
     client ──POST──▶ bridge ──prefill (max_tokens 1, kv_transfer_params.kvmesh.pd)──▶ prefiller
                        │          the prefiller pushes the prompt's KV to the decoder and
                        │          answers once it has landed (or failed)
@@ -30,7 +35,9 @@ from kvmesh.common.config.schema import BridgeConfig
 from kvmesh.common.observability import get_logger
 from kvmesh.services.bridge.backends import Backend, BackendPool, describe
 from kvmesh.services.bridge.openai import BadRequest, Endpoint, error_json, parse_request
+from kvmesh.services.bridge.prefix_lookup import LookupFailed, PrefixLookup
 from kvmesh.services.bridge.rewrite import decode_body, prefill_body
+from kvmesh.services.bridge.routing import Choice, PrefixHits, choose, whole_prompt_tokens
 from kvmesh.services.bridge.stats import BridgeStats
 from kvmesh.services.bridge.transfers import Transfer, TransferTable
 
@@ -59,8 +66,11 @@ class Proxy:
         decoders: BackendPool,
         transfers: TransferTable,
         stats: BridgeStats,
+        lookup: PrefixLookup | None = None,
     ) -> None:
         self.config = config
+        # None: KV-aware routing is off (bridge.lookup_url unset).
+        self.lookup = lookup
         self.session = session
         self.prefillers = prefillers
         self.decoders = decoders
@@ -80,24 +90,43 @@ class Proxy:
             self.stats.request(endpoint, "bad_request")
             log.info("request refused", endpoint=endpoint, status=exc.status, error=str(exc))
             return error_response(exc.status, str(exc), exc.param)
-        decoder = self.decoders.pick(include_down=True)
-        if decoder is None:
+        if not self.decoders.backends:
             self.stats.request(endpoint, "no_decoder")
             return error_response(503, "the bridge has no decoder configured")
-        prefiller, reason = self._choose_prefiller(decoder)
-        transfer = Transfer(
-            uuid.uuid4().hex,
-            endpoint,
-            prefiller.url if prefiller else "",
-            decoder.url,
-            bool(body.get("stream")),
-        )
-        with structlog.contextvars.bound_contextvars(transfer_id=transfer.transfer_id):
+        transfer_id = uuid.uuid4().hex
+        headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
+        headers["Content-Type"] = "application/json"
+        headers["X-Request-Id"] = transfer_id
+        with structlog.contextvars.bound_contextvars(transfer_id=transfer_id):
+            try:
+                hits, route_fallback = await self._lookup(endpoint, body, headers)
+            except asyncio.CancelledError:
+                self.stats.request(endpoint, "cancelled")
+                raise
+            decoder, prefiller, reason = self._choose(hits)
+            computing = prefiller or decoder
+            transfer = Transfer(
+                transfer_id,
+                endpoint,
+                prefiller.backend.url if prefiller else "",
+                decoder.backend.url,
+                bool(body.get("stream")),
+            )
+            transfer.route, transfer.hit_tokens = computing.by, computing.hit_tokens
+            transfer.prompt_tokens = hits.prompt_tokens if hits else 0
+            transfer.route_fallback = route_fallback
             self.transfers.add(transfer)
             try:
-                with decoder.busy():
+                with decoder.backend.busy():
                     return await self._run(
-                        request, endpoint, body, transfer, prefiller, decoder, reason
+                        request,
+                        endpoint,
+                        body,
+                        transfer,
+                        prefiller.backend if prefiller else None,
+                        decoder.backend,
+                        reason,
+                        headers,
                     )
             except asyncio.CancelledError:
                 self.stats.request(endpoint, "cancelled")
@@ -106,7 +135,63 @@ class Proxy:
             finally:
                 self.transfers.remove(transfer.transfer_id)
 
-    def _choose_prefiller(self, decoder: Backend) -> tuple[Backend | None, str]:
+    # -- routing ------------------------------------------------------------------------
+    async def _lookup(
+        self, endpoint: Endpoint, body: dict[str, Any], headers: dict[str, str]
+    ) -> tuple[PrefixHits | None, str]:
+        """Where the prompt is cached, or (None, why not); None and "" when lookup is off."""
+        if self.lookup is None:
+            return None, ""
+        # The pool whose choice the hits decide (see _choose) tokenizes: any healthy
+        # backend would do, and that one is about to read the prompt anyway.
+        pool = self.prefillers if self.prefillers.backends else self.decoders
+        tokenizer = next((b for b in pool.by_preference() if b.state != "down"), None)
+        t0 = time.perf_counter()
+        try:
+            hits = await self.lookup.hits(endpoint, body, tokenizer, headers)
+        except LookupFailed as exc:
+            self.stats.route_fallbacks[exc.reason].inc()
+            return None, exc.reason
+        finally:
+            self.stats.route_seconds.observe(time.perf_counter() - t0)
+        self.stats.route_prompt_tokens.inc(hits.prompt_tokens)
+        return hits, ""
+
+    def _choose(self, hits: PrefixHits | None) -> tuple[Choice, Choice | None, str]:
+        """The decoder, the prefiller (None: no prefill) and why there is none.
+
+        Without prefillers the decoder computes the prompt: the one holding the longest
+        prefix gets it. With prefillers the prefiller computes it and the decoder only
+        decodes: the decoder is the least loaded, unless one holds nearly the whole
+        prompt already, which then decodes without a prefill ("decoder_cached")."""
+        cfg = self.config
+        least = self.decoders.pick(include_down=True)
+        assert least is not None  # serve() checked there is a decoder
+        pd = bool(self.prefillers.backends)
+        need = cfg.lookup_min_hit_tokens
+        if pd and hits is not None:
+            need = whole_prompt_tokens(hits, cfg.lookup_min_hit_tokens)
+        decoder = choose(
+            least, self.decoders.backends, hits,
+            min_tokens=need, max_extra_inflight=cfg.lookup_max_extra_inflight,
+        )  # fmt: skip
+        self._count("decoder", decoder)
+        if pd and decoder.by == "kv":
+            prefiller, reason = None, "decoder_cached"
+        else:
+            prefiller, reason = self._choose_prefiller(decoder.backend, hits)
+        if hits is not None:
+            computing = prefiller or decoder
+            log.debug(
+                "routed", decoder=decoder.backend.url,
+                prefiller=prefiller.backend.url if prefiller else None, by=computing.by,
+                hit_tokens=computing.hit_tokens, prompt_tokens=hits.prompt_tokens,
+            )  # fmt: skip
+        return decoder, prefiller, reason
+
+    def _choose_prefiller(
+        self, decoder: Backend, hits: PrefixHits | None
+    ) -> tuple[Choice | None, str]:
         """The prefiller, or why there is none to use."""
         if not self.prefillers.backends:
             return None, "no_prefiller"
@@ -114,8 +199,20 @@ class Proxy:
             return None, "no_kv_endpoints"
         # A prefiller known to be down would cost each request a failed call (up to
         # prefill_timeout_s); the health checks bring it back.
-        prefiller = self.prefillers.pick(include_down=False)
-        return prefiller, "" if prefiller else "prefiller_down"
+        least = self.prefillers.pick(include_down=False)
+        if least is None:
+            return None, "prefiller_down"
+        prefiller = choose(
+            least, self.prefillers.backends, hits,
+            min_tokens=self.config.lookup_min_hit_tokens,
+            max_extra_inflight=self.config.lookup_max_extra_inflight,
+        )  # fmt: skip
+        self._count("prefiller", prefiller)
+        return prefiller, ""
+
+    def _count(self, role: str, choice: Choice) -> None:
+        self.stats.routes[(role, choice.by)].inc()
+        self.stats.route_hit_tokens[role].inc(choice.hit_tokens)
 
     async def _run(
         self,
@@ -126,16 +223,15 @@ class Proxy:
         prefiller: Backend | None,
         decoder: Backend,
         reason: str,
+        headers: dict[str, str],
     ) -> web.StreamResponse:
-        headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
-        headers["Content-Type"] = "application/json"
-        headers["X-Request-Id"] = transfer.transfer_id
         if prefiller is not None:
             reason = await self._prefill(endpoint, body, transfer, prefiller, decoder, headers)
         elif reason:
             # Without prefillers (or endpoints) in the config, every request is one of
-            # these: not worth a warning each.
-            log_at = log.debug if reason in ("no_prefiller", "no_kv_endpoints") else log.warning
+            # these: not worth a warning each; nor is a decoder that holds the prompt.
+            quiet = ("no_prefiller", "no_kv_endpoints", "decoder_cached")
+            log_at = log.debug if reason in quiet else log.warning
             log_at("decoding without a prefill", reason=reason, decoder=decoder.url)
         if reason:
             transfer.fallback = reason

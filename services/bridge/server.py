@@ -12,6 +12,8 @@ One process, one event loop, one aiohttp ClientSession (a connection pool shared
 every outgoing call, each with its own deadline). A background task checks every
 backend's /health each `health_interval_s`. With `metrics_port` set, /metrics and
 /health are also served on that port (for a scraper kept off the client-facing one).
+With `lookup_url` set, one lookup-server client (a ZMQ DEALER on the same loop) tells
+where each prompt is cached (proxy.py, prefix_lookup.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from kvmesh.common.config.schema import BridgeConfig
 from kvmesh.common.observability import get_logger
 from kvmesh.services.bridge.backends import Backend, BackendPool, describe, probe_all
 from kvmesh.services.bridge.openai import error_json
+from kvmesh.services.bridge.prefix_lookup import PrefixLookup
 from kvmesh.services.bridge.proxy import Proxy, error_response
 from kvmesh.services.bridge.stats import BridgeStats
 from kvmesh.services.bridge.transfers import TransferTable
@@ -49,10 +52,16 @@ class BridgeServer:
         self.config = config
         self.stats = BridgeStats()
         self.prefillers = BackendPool(
-            [Backend("prefiller", b.url, stats=self.stats) for b in config.prefillers]
+            [
+                Backend("prefiller", b.url, stats=self.stats, instance_id=b.instance_id)
+                for b in config.prefillers
+            ]
         )
         self.decoders = BackendPool(
-            [Backend("decoder", d.url, d.kv_endpoints, stats=self.stats) for d in config.decoders]
+            [
+                Backend("decoder", d.url, d.kv_endpoints, self.stats, d.instance_id)
+                for d in config.decoders
+            ]
         )
         self.transfers = TransferTable()
         self.started = time.monotonic()
@@ -65,6 +74,7 @@ class BridgeServer:
         self._stopped = asyncio.Event()
         self._closed = asyncio.Event()
         self.proxy: Proxy | None = None
+        self.lookup: PrefixLookup | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -75,8 +85,18 @@ class BridgeServer:
             # No HTTP proxy from the environment: backends are addressed directly.
             trust_env=False,
         )
+        if cfg.lookup_url:
+            # Connecting does not wait for the lookup-server: until it answers, requests
+            # go to the least loaded backend.
+            self.lookup = await PrefixLookup(cfg, self._session).__aenter__()
         self.proxy = Proxy(
-            cfg, self._session, self.prefillers, self.decoders, self.transfers, self.stats
+            cfg,
+            self._session,
+            self.prefillers,
+            self.decoders,
+            self.transfers,
+            self.stats,
+            self.lookup,
         )
         app = web.Application(client_max_size=int(cfg.max_body_bytes), middlewares=[_errors])
         app.router.add_post("/v1/completions", self._completions)
@@ -96,6 +116,7 @@ class BridgeServer:
             metrics_port=self.metrics_port or None,
             prefillers=[b.url for b in self.prefillers.backends],
             decoders=[b.url for b in self.decoders.backends],
+            lookup_url=cfg.lookup_url or None,
         )
 
     async def _listen(self, app: web.Application, port: int) -> int:
@@ -127,6 +148,8 @@ class BridgeServer:
                     await task
         for runner in self._runners:
             await runner.cleanup()
+        if self.lookup is not None:
+            await self.lookup.__aexit__(None, None, None)
         if self._session is not None:
             await self._session.close()
         log.info("bridge stopped")
@@ -161,6 +184,7 @@ class BridgeServer:
             "inflight": len(self.transfers),
             "decoders": [b.report() for b in self.decoders.backends],
             "prefillers": [b.report() for b in self.prefillers.backends],
+            "lookup_url": self.config.lookup_url or None,
         }
 
     # -- handlers -----------------------------------------------------------------------

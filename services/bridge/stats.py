@@ -18,17 +18,29 @@ OUTCOMES = (
     "cancelled",
 )
 # Why a request was decoded without a prefill: no prefiller configured, every one
-# known to be down, the decoder has no kv_endpoints; or the prefill call failed: no
-# connection, past prefill_timeout_s, a non-2xx answer, another transport error.
+# known to be down, the decoder has no kv_endpoints, the decoder already holds nearly
+# the whole prompt (KV-aware routing); or the prefill call failed: no connection, past
+# prefill_timeout_s, a non-2xx answer, another transport error.
 FALLBACK_REASONS = (
     "no_prefiller",
     "prefiller_down",
     "no_kv_endpoints",
+    "decoder_cached",
     "connect",
     "timeout",
     "status",
     "error",
 )
+ROLES = ("prefiller", "decoder")
+# How a backend was chosen: "kv", its cached prefix of the prompt; "load", the least
+# loaded one (no lookup, no hit worth it, or the lookup failed).
+ROUTE_BY = ("kv", "load")
+# Why KV-aware routing had no answer for a request (it went to the least loaded
+# backend): several prompts in one request, /tokenize failed or was too slow, the
+# lookup-server did not answer in lookup_timeout_s (down included) or said no.
+ROUTE_FALLBACK_REASONS = ("batch", "tokenize", "tokenize_timeout", "lookup_timeout", "lookup_error")
+# Seconds the routing step (tokenize + lookup) adds to a request.
+ROUTE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 # Seconds, from a one-token prefill of a short prompt to a long one queued behind others.
 PREFILL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -69,7 +81,41 @@ class BridgeStats:
             "1 when the backend's last check or call succeeded",
             ["role", "backend"],
         )
-        for counter in (*self.requests.values(), *self.fallbacks.values()):
+        routes = m.counter(
+            "bridge_routes_total",
+            "Backends chosen, by role and by what chose them (kv: a cached prefix; load: "
+            "the least loaded)",
+            ["role", "by"],
+        )
+        self.routes = {(r, b): routes.labels(r, b) for r in ROLES for b in ROUTE_BY}
+        route_fallbacks = m.counter(
+            "bridge_route_fallbacks_total",
+            "Requests KV-aware routing had no answer for (they went to the least loaded "
+            "backend), by reason",
+            ["reason"],
+        )
+        self.route_fallbacks = {r: route_fallbacks.labels(r) for r in ROUTE_FALLBACK_REASONS}
+        hit_tokens = m.counter(
+            "bridge_route_hit_tokens_total",
+            "Prompt tokens already cached on the backend each request went to, by role",
+            ["role"],
+        )
+        self.route_hit_tokens = {r: hit_tokens.labels(r) for r in ROLES}
+        self.route_prompt_tokens = m.counter(
+            "bridge_route_prompt_tokens_total", "Prompt tokens of the requests looked up"
+        )
+        self.route_seconds = m.histogram(
+            "bridge_route_seconds",
+            "The KV-aware routing step of a request (tokenize and lookup), failures included",
+            buckets=ROUTE_BUCKETS,
+        )
+        for counter in (
+            *self.requests.values(),
+            *self.fallbacks.values(),
+            *self.routes.values(),
+            *self.route_fallbacks.values(),
+            *self.route_hit_tokens.values(),
+        ):
             counter.inc(0)
 
     def request(self, endpoint: str, outcome: str) -> None:

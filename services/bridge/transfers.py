@@ -18,7 +18,10 @@ Phase = Literal["prefill", "decode"]
 
 class TransferInfo(msgspec.Struct, frozen=True, kw_only=True):
     """One in-flight request as GET /transfers lists it. `prefiller` is "" when the
-    request went to the decoder alone; `fallback` says why (e.g. "timeout")."""
+    request went to the decoder alone; `fallback` says why (e.g. "timeout").
+    KV-aware routing: `route` says what chose the backend that computes the prompt
+    (the prefiller, else the decoder): "kv" (its cached prefix, `hit_tokens` long) or
+    "load" (the least loaded); `route_fallback`, why the lookup had no answer."""
 
     transfer_id: str
     endpoint: str
@@ -28,6 +31,10 @@ class TransferInfo(msgspec.Struct, frozen=True, kw_only=True):
     age_s: float
     stream: bool
     fallback: str = ""
+    route: str = "load"
+    hit_tokens: int = 0
+    prompt_tokens: int = 0
+    route_fallback: str = ""
 
 
 class Transfer:
@@ -41,6 +48,10 @@ class Transfer:
         self.stream = stream
         self.phase: Phase = "prefill" if prefiller else "decode"
         self.fallback = ""
+        self.route = "load"
+        self.hit_tokens = 0
+        self.prompt_tokens = 0
+        self.route_fallback = ""
         self.started = time.monotonic()
 
     def info(self, now: float) -> TransferInfo:
@@ -53,6 +64,10 @@ class Transfer:
             age_s=round(now - self.started, 3),
             stream=self.stream,
             fallback=self.fallback,
+            route=self.route,
+            hit_tokens=self.hit_tokens,
+            prompt_tokens=self.prompt_tokens,
+            route_fallback=self.route_fallback,
         )
 
 

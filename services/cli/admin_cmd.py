@@ -233,7 +233,7 @@ def _read_tokens(spec: str) -> list[int]:
 def lookup(ctx: click.Context, tokens: str, instance: str, lookup_url: str, lookup_id: str) -> None:
     """How many leading TOKENS (START:STOP or a file of ids) are cached: on one
     instance (asking its workers), or on every instance, best first."""
-    from kvmesh.services.lookup.client import (
+    from kvmesh.common.transport.lookup_service_client import (
         LookupServiceClient,
         LookupServiceError,
         LookupServiceUnavailable,
@@ -298,13 +298,21 @@ def transfers(ctx: click.Context, bridge_url: str, as_json: bool) -> None:
     if as_json or ctx.obj["json"]:
         click.echo(json.dumps([msgspec.structs.asdict(i) for i in infos]))
         return
-    rows = [("TRANSFER", "ENDPOINT", "PHASE", "AGE_S", "PREFILLER", "DECODER", "FALLBACK")]
+    rows = [("TRANSFER", "ENDPOINT", "PHASE", "AGE_S", "PREFILLER", "DECODER", "FALLBACK", "ROUTE")]
     rows += [
         (i.transfer_id, i.endpoint, i.phase, f"{i.age_s:.3f}", i.prefiller or "-", i.decoder,
-         i.fallback or "-")
+         i.fallback or "-", _route(i))
         for i in infos
     ]  # fmt: skip
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     for r in rows:
         click.echo("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
     click.echo(f"{len(infos)} in flight")
+
+
+def _route(info: Any) -> str:
+    """How the bridge chose the backend computing the prompt, one word per column:
+    "kv:1024/1100" (cached prefix / prompt tokens), "load", "load:lookup_timeout"."""
+    if info.route == "kv":
+        return f"kv:{info.hit_tokens}/{info.prompt_tokens}"
+    return f"load:{info.route_fallback}" if info.route_fallback else "load"

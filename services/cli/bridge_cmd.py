@@ -25,6 +25,12 @@ from kvmesh.services.cli.serving import EXIT_INVALID, load_service_config, run_s
 @click.option("--prefill-timeout-s", type=float, default=None, help="Deadline of a prefill.")
 @click.option("--decode-timeout-s", type=float, default=None, help="Deadline of each decoder read.")
 @click.option(
+    "--lookup-url",
+    default=None,
+    help="KV-aware routing: the lookup-server, tcp://host:port (bridge.lookup_url; every "
+    "backend then needs its instance_id).",
+)
+@click.option(
     "--ready-file",
     type=click.Path(dir_okay=False, path_type=str),
     default=None,

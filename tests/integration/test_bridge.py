@@ -309,7 +309,7 @@ def test_admin_transfers_lists_requests_in_flight(mesh: Mesh) -> None:
     assert script.returncode == 0, stderr
     lines = stdout.splitlines()
     assert lines[0].split() == [
-        "TRANSFER", "ENDPOINT", "PHASE", "AGE_S", "PREFILLER", "DECODER", "FALLBACK"
+        "TRANSFER", "ENDPOINT", "PHASE", "AGE_S", "PREFILLER", "DECODER", "FALLBACK", "ROUTE"
     ]  # fmt: skip
     assert lines[-1] == f"{len(lines) - 2} in flight", stdout
     dead = runner.invoke(admin, ["transfers", "--bridge", f"http://127.0.0.1:{free_port()}"])

@@ -31,7 +31,10 @@ from kvtest.waiting import wait_for
 from kvmesh.common.protocol import controller as cproto
 from kvmesh.common.protocol import lookup_service as proto
 from kvmesh.common.transport.controller_client import ControllerConnection
-from kvmesh.services.lookup.client import LookupServiceClient, LookupServiceError
+from kvmesh.common.transport.lookup_service_client import (
+    LookupServiceClient,
+    LookupServiceError,
+)
 from kvmesh.services.worker.lookup_server import attach_lookup_server
 
 CHUNK = 8

@@ -74,3 +74,70 @@ def test_serve_bridge_with_an_invalid_config_exits_2(tmp_path) -> None:
     result = CliRunner().invoke(bridge, ["--config", str(config)])
     assert result.exit_code == 2
     assert "bridge.decoders[0].url" in result.output
+
+
+# -- KV-aware routing --------------------------------------------------------------------
+
+LOOKUP = {"lookup_url": "tcp://127.0.0.1:7610"}
+
+
+def test_lookup_is_off_by_default_and_instance_ids_are_optional_then() -> None:
+    cfg = bridge_cfg(decoders=[HTTP_D])
+    assert cfg.lookup_url == "" and cfg.decoders[0].instance_id == ""
+    assert cfg.lookup_timeout_s == 0.05 and cfg.lookup_min_hit_tokens == 256
+
+
+def test_lookup_with_instance_ids() -> None:
+    cfg = bridge_cfg(
+        **LOOKUP,
+        prefillers=[{"url": "http://p", "instance_id": "p0"}],
+        decoders=[{**HTTP_D, "instance_id": "d0"}],
+        lookup_timeout_s=0.2,
+    )
+    assert cfg.prefillers[0].instance_id == "p0" and cfg.decoders[0].instance_id == "d0"
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "words"),
+    [
+        ({**LOOKUP, "decoders": [HTTP_D]}, "bridge.decoders", "[0].instance_id (http://d): req"),
+        (
+            {
+                **LOOKUP,
+                "decoders": [{**HTTP_D, "instance_id": "a"}],
+                "prefillers": [{"url": "http://p"}],
+            },
+            "bridge.prefillers",
+            "[0].instance_id (http://p): required",
+        ),
+        (
+            {
+                **LOOKUP,
+                "prefillers": [{"url": "http://p", "instance_id": "a"}],
+                "decoders": [{**HTTP_D, "instance_id": "a"}],
+            },
+            "bridge.decoders",
+            "also prefillers[0]",
+        ),
+        ({"lookup_url": "http://l:1"}, "bridge.lookup_url", "tcp://"),
+        ({"lookup_timeout_s": 0}, "bridge.lookup_timeout_s", ""),
+        ({"lookup_min_hit_tokens": 0}, "bridge.lookup_min_hit_tokens", ""),
+        ({"lookup_max_extra_inflight": -1}, "bridge.lookup_max_extra_inflight", ""),
+    ],
+)  # fmt: skip
+def test_lookup_rules_name_the_key(section: dict, key: str, words: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        bridge_cfg(**section)
+    issue = info.value.issues[0]
+    assert issue.key == key
+    assert words in issue.problem
+
+
+def test_the_lookup_url_option_needs_instance_ids(tmp_path) -> None:
+    config = tmp_path / "bridge.yaml"
+    config.write_text("bridge:\n  decoders: [{url: 'http://d:1'}]\n")
+    result = CliRunner().invoke(
+        bridge, ["--config", str(config), "--lookup-url", "tcp://127.0.0.1:7610"]
+    )
+    assert result.exit_code != 0
+    assert "bridge.decoders" in result.output and "instance_id" in result.output

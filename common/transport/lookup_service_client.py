@@ -1,8 +1,11 @@
-"""An asyncio client of the lookup-server (common/protocol/lookup_service.py).
+"""An asyncio client of the lookup-server (common/protocol/lookup_service.py), for
+the CLI, the bridge and tests: in common/ because services never import each other.
+(Not services/worker/lookup_client.py, which asks a worker's own lookup endpoint.)
 
-One DEALER; one reader task resolves waiting requests by rid. Errors:
-`LookupServiceError` (the server said no: carries the code) and
-`LookupServiceUnavailable` (no reply within the deadline).
+One DEALER; one reader task resolves waiting requests by rid. Every request has a
+deadline: the client's `timeout_s`, or a shorter one per call (the bridge asks within
+tens of milliseconds). Errors: `LookupServiceError` (the server said no: carries the
+code) and `LookupServiceUnavailable` (no reply within the deadline, or no connection).
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ class LookupServiceClient:
     async def __aenter__(self) -> LookupServiceClient:
         sock = self._ctx.socket(zmq.DEALER)
         sock.linger = 0
+        # Queue nothing for a server that is not connected: a request sent while it is
+        # down times out here instead of reaching it, stale, once it is back.
+        sock.immediate = True
         sock.connect(self.url)
         self._sock = sock
         self._reader = asyncio.create_task(self._read())
@@ -70,13 +76,14 @@ class LookupServiceClient:
             if fut is not None and not fut.done():
                 fut.set_result(reply)
 
-    async def request(self, msg: Any, expect: type) -> Any:
-        """Send msg (its rid from next_rid()); its reply, or raise."""
+    async def request(self, msg: Any, expect: type, timeout_s: float | None = None) -> Any:
+        """Send msg (its rid from next_rid()); its reply within timeout_s (default: the
+        client's), or raise."""
         assert self._sock is not None, "use `async with`"
         fut = asyncio.get_running_loop().create_future()
         self._pending[msg.rid] = fut
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout(self.timeout_s if timeout_s is None else timeout_s):
                 await self._sock.send(proto.encode(msg))
                 reply = await fut
         except TimeoutError:
@@ -123,9 +130,12 @@ class LookupServiceClient:
         *,
         hashes: list[bytes] | None = None,
         limit: int = 0,
+        timeout_s: float | None = None,
     ) -> list[proto.InstanceHit]:
+        """Instances by cached prefix length, longest first (those holding none of it
+        may be left out)."""
         encoded = wire.encode_tokens(tokens) if tokens is not None else b""
         msg = proto.BestInstances(
             self.next_rid(), proto.PROTOCOL_VERSION, encoded, list(hashes or []), limit
         )
-        return (await self.request(msg, proto.BestInstancesReply)).instances
+        return (await self.request(msg, proto.BestInstancesReply, timeout_s)).instances
