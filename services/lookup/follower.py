@@ -173,6 +173,9 @@ class IndexFollower:
                 reason = exc.reason
             except TimeoutError:
                 reason = "unavailable"
+            except Exception:  # a bug: the index must not stop following for good
+                log.exception("index follower failed; starting over")
+                reason = "unavailable"
             self._following, self._buffer = False, None
             if reason == "unavailable":
                 await asyncio.sleep(retry_s)
