@@ -35,6 +35,7 @@ VALUE_SETS: dict[str, list[str]] = {
     "default": [],
     "redis-remote": ["-f", str(CI_VALUES / "redis-remote.yaml")],
     "pd": ["-f", str(CI_VALUES / "pd.yaml")],
+    "podman": ["-f", str(CI_VALUES / "podman.yaml")],
 }
 
 

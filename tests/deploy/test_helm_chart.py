@@ -2,7 +2,8 @@
 
 - `helm lint --strict` and `helm template` with the default values and the CI value
   sets in k8s/ci/ (redis-remote: an external Redis and ServiceMonitors; pd: prefillers,
-  decoders and the bridge);
+  decoders and the bridge; podman: Deployments only, on the host network, which
+  test_podman_play.py plays);
 - `kubernetes-validate --strict` against Kubernetes 1.30 on each rendering;
 - the rendered objects: probes on the ports the config makes each process serve,
   Services and the PodDisruptionBudget selecting the right pods, volumes where the
@@ -58,6 +59,8 @@ from kvmesh.common.config import ConfigError, load_config
 CONFIG_PATH = "/etc/kvmesh/kvmesh.yaml"
 POD_IP = "10.1.2.3"
 SETS = list(VALUE_SETS)
+# podman.yaml moves every port up by 10000 (a compose mesh may hold the defaults).
+PORT_OFFSET = {"podman": 10000}
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +123,13 @@ EXPECTED = {
         ("Service", "worker-headless"), ("ServiceMonitor", "controller"),
         ("ServiceMonitor", "lookup"), ("ServiceMonitor", "worker"),
     },
+    "podman": {
+        ("Deployment", "controller"), ("Deployment", "lookup"), ("Deployment", "cacheserver"),
+        ("Deployment", "worker"), ("Deployment", "bridge"), ("PodDisruptionBudget", "cacheserver"),
+        ("PersistentVolumeClaim", "controller"), ("ConfigMap", "config"),
+        ("Service", "controller"), ("Service", "lookup"), ("Service", "cacheserver"),
+        ("Service", "worker"), ("Service", "bridge"),
+    },
     "pd": {
         ("Deployment", "controller"), ("Deployment", "lookup"), ("Deployment", "bridge"),
         ("StatefulSet", "cacheserver"), ("StatefulSet", "prefiller"),
@@ -173,29 +183,32 @@ def _pod_env(c: dict, secrets: dict[str, str] | None = None) -> dict[str, str]:
 def test_config_passes_kvmesh_validation(rendered: dict, value_set: str, tmp_path: Path) -> None:
     docs = rendered[value_set]
     cfg = _load(tmp_path, docs)
+    off = PORT_OFFSET.get(value_set, 0)
     # Services bind every interface in a pod; ports are the ones the chart exposes.
     assert cfg.controller.host == cfg.lookup.host == cfg.cacheserver.host == "0.0.0.0"
     assert cfg.bridge.host == "0.0.0.0"
-    assert (cfg.controller.port, cfg.controller.http_port) == (7600, 7601)
-    assert (cfg.lookup.port, cfg.lookup.metrics_port) == (7610, 7611)
-    assert (cfg.cacheserver.port, cfg.cacheserver.metrics_port) == (7620, 7622)
-    assert (cfg.bridge.port, cfg.bridge.metrics_port) == (7630, 7631)
-    assert cfg.engine.metrics_port == 7640 and cfg.engine.p2p.port == 7650
-    controller = f"tcp://{full_name('controller')}:7600"
+    assert (cfg.controller.port, cfg.controller.http_port) == (7600 + off, 7601 + off)
+    assert (cfg.lookup.port, cfg.lookup.metrics_port) == (7610 + off, 7611 + off)
+    assert (cfg.cacheserver.port, cfg.cacheserver.metrics_port) == (7620 + off, 7622 + off)
+    assert (cfg.bridge.port, cfg.bridge.metrics_port) == (7630 + off, 7631 + off)
+    assert cfg.engine.metrics_port == 7640 + off and cfg.engine.p2p.port == 7650 + off
+    controller = f"tcp://{full_name('controller')}:{7600 + off}"
     assert cfg.lookup.controller_url == controller
     assert cfg.engine.controller.enabled and cfg.engine.controller.url == controller
     # The lookup-server hashes prompts as the engines do.
     assert cfg.lookup.chunk_size == cfg.engine.chunk_size
     assert cfg.lookup.hash_algorithm == cfg.engine.hash_algorithm
     # Each vLLM pod's own KVMESH_* variables on top of the file still validate.
-    for sts in of_kind(docs, "StatefulSet"):
-        c = container(sts)
+    for w in workloads(docs):
+        c = container(w)
         if c["name"] != "vllm":
             continue
         env = _pod_env(c, secrets={"redis-password": "s3cret"})
         pod_cfg = _load(tmp_path, docs, env=env)
-        assert pod_cfg.engine.p2p.host == POD_IP
-        assert pod_cfg.engine.lookup_endpoint == f"tcp://{POD_IP}:7660"
+        pod_ip = "127.0.0.1" if value_set == "podman" else POD_IP  # podman.yaml's podIP
+        assert env["POD_IP"] == pod_ip
+        assert pod_cfg.engine.p2p.host == pod_ip
+        assert pod_cfg.engine.lookup_endpoint == f"tcp://{pod_ip}:{7660 + off}"
 
 
 def test_default_config(rendered: dict, tmp_path: Path) -> None:
@@ -243,12 +256,14 @@ def _probe(c: dict, which: str) -> tuple[str, str | None, int]:
 
 @pytest.mark.parametrize("value_set", SETS)
 def test_probes(rendered: dict, value_set: str) -> None:
+    off = PORT_OFFSET.get(value_set, 0)
     for w in workloads(rendered[value_set]):
         component = w["metadata"]["labels"]["app.kubernetes.io/component"]
         c = container(w)
-        assert (_probe(c, "livenessProbe"), _probe(c, "readinessProbe")) == PROBES[component]
+        want = tuple((kind, path, port + off) for kind, path, port in PROBES[component])
+        assert (_probe(c, "livenessProbe"), _probe(c, "readinessProbe")) == want
         if c["name"] == "vllm":  # model loading: a startup probe holds the others off
-            assert _probe(c, "startupProbe") == ("httpGet", "/health", 8000)
+            assert _probe(c, "startupProbe") == ("httpGet", "/health", 8000 + off)
             assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 300
 
 
@@ -330,6 +345,40 @@ def test_volumes_default(rendered: dict) -> None:
     assert _mount(container(controller), "snapshot") == snapshot_dir
 
 
+def test_podman_deployments_and_host_network(rendered: dict, tmp_path: Path) -> None:
+    """worker.kind / cacheserver.kind Deployment: no claim templates or headless
+    Services, the disk tier and spill on emptyDirs; hostNetwork, hostAliases and podIP
+    reach every pod."""
+    docs = rendered["podman"]
+    cfg = config_dict(docs)
+    worker = one(docs, "Deployment", full_name("worker"))
+    cache = one(docs, "Deployment", full_name("cacheserver"))
+    for w, volume, path in (
+        (worker, "disk", cfg["engine"]["disk"]["path"]),
+        (cache, "spill", cfg["cacheserver"]["spill_path"]),
+    ):
+        assert "serviceName" not in w["spec"] and "volumeClaimTemplates" not in w["spec"]
+        (vol,) = [v for v in pod_spec(w)["volumes"] if v["name"] == volume]
+        assert vol == {"name": volume, "emptyDir": {"sizeLimit": "1Gi"}}
+        assert _mount(container(w), volume) == path
+    assert not [s for s in of_kind(docs, "Service") if s["spec"].get("clusterIP") == "None"]
+    for w in workloads(docs):
+        spec = pod_spec(w)
+        assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+        (alias,) = spec["hostAliases"]
+        assert alias["ip"] == "127.0.0.1"
+        assert {s["metadata"]["name"] for s in of_kind(docs, "Service")} <= set(alias["hostnames"])
+        assert env_of(container(w))["POD_IP"]["value"] == "127.0.0.1"
+    decoders = _load(tmp_path, docs).bridge.decoders
+    assert [d.url for d in decoders] == [f"http://{full_name('worker')}:18000"]
+    for value_set in ("default", "pd", "redis-remote"):
+        for w in workloads(rendered[value_set]):
+            spec = pod_spec(w)
+            assert "hostNetwork" not in spec and "hostAliases" not in spec
+            pod_ip = env_of(container(w))["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"]
+            assert pod_ip == "status.podIP"
+
+
 def test_volumes_custom_and_off(rendered: dict) -> None:
     worker = one(rendered["redis-remote"], "StatefulSet", full_name("worker"))
     disk = _claim_templates(worker)["disk"]
@@ -396,9 +445,7 @@ KV_ROLES = {"worker": ("kv_both", None), "prefiller": ("kv_producer", "sender"),
 
 @pytest.mark.parametrize("value_set", SETS)
 def test_vllm_worker_uses_the_connector(rendered: dict, value_set: str) -> None:
-    vllm = [
-        w for w in of_kind(rendered[value_set], "StatefulSet") if container(w)["name"] == "vllm"
-    ]
+    vllm = [w for w in workloads(rendered[value_set]) if container(w)["name"] == "vllm"]
     assert vllm
     for sts in vllm:
         role = sts["metadata"]["labels"]["app.kubernetes.io/component"]
@@ -406,7 +453,7 @@ def test_vllm_worker_uses_the_connector(rendered: dict, value_set: str) -> None:
         args = c["args"]
         assert args[args.index("--model") + 1] == "/models/tiny"
         assert args[args.index("--host") + 1] == "0.0.0.0"
-        assert args[args.index("--port") + 1] == "8000"
+        assert args[args.index("--port") + 1] == str(8000 + PORT_OFFSET.get(value_set, 0))
         transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
         kv_role, pd_role = KV_ROLES[role]
         assert transfer == {
@@ -541,7 +588,9 @@ def test_notes_render(helm: str, value_set: str, tmp_path: Path) -> None:
     )
     args = [*VALUE_SETS[value_set], "--show-only", "templates/notes.yaml"]
     text = parse(render_text(helm, args, chart=chart))[0]["data"]["notes"]
-    assert f"port-forward svc/{full_name('controller')} 7601" in text
+    assert (
+        f"port-forward svc/{full_name('controller')} {7601 + PORT_OFFSET.get(value_set, 0)}" in text
+    )
     if value_set == "pd":
         assert f"svc/{full_name('bridge')} 7630" in text
     if value_set == "redis-remote":
@@ -559,6 +608,8 @@ BAD_VALUES = [
     ({"serviceMonitor": {"enabled": "yes"}}, "serviceMonitor.enabled"),
     ({"cacheserver": {"spill": {"size": "lots"}}}, "cacheserver.spill.size"),
     ({"typo_top_level": True}, "typo_top_level"),
+    ({"worker": {"kind": "DaemonSet"}}, "worker.kind"),
+    ({"hostAliases": [{"ip": "127.0.0.1"}]}, "hostAliases"),
     # config: is checked against kvmesh's own schema (k8s/tools/config_schema.py).
     ({"config": {"engine": {"chunk_sise": 256}}}, "chunk_sise"),
     ({"config": {"engine": {"chunk_size": "big"}}}, "config.engine.chunk_size"),
@@ -595,6 +646,8 @@ TEMPLATE_ERRORS = [
     ({"remote": {"backend": "url"}}, "remote.url"),
     ({"cacheserver": {"enabled": False}}, "remote.backend is cacheserver"),
     ({"bridge": {"enabled": True}}, "bridge.enabled needs decoders"),
+    ({"pd": {"enabled": True}, "worker": {"kind": "Deployment"}},
+     "pd.enabled needs worker.kind StatefulSet"),
 ]  # fmt: skip
 
 

@@ -123,6 +123,7 @@ bridge.host: "the chart (0.0.0.0)"
 bridge.port: bridge.ports.http
 bridge.metrics_port: bridge.ports.metrics
 engine.metrics_port: worker.ports.metrics
+engine.metrics_host: "the chart (0.0.0.0)"
 engine.lookup_endpoint: worker.ports.lookup
 engine.p2p.host: "the chart (the pod's IP)"
 engine.p2p.port: worker.ports.p2p
@@ -207,6 +208,7 @@ IP, the PD role) come from KVMESH_* variables set on the pods (kvmesh.engineEnv)
 {{- $remoteUrl := include "kvmesh.remoteUrl" . -}}
 {{- $engine := dict
       "metrics_port" (int $v.worker.ports.metrics)
+      "metrics_host" "0.0.0.0"
       "p2p" (dict "port" (int $v.worker.ports.p2p))
       "controller" (dict "enabled" $v.controller.enabled "url" (include "kvmesh.controllerUrl" .))
       "remote" (dict "enabled" (ne $remoteUrl "") "url" $remoteUrl)
@@ -237,9 +239,21 @@ IP, the PD role) come from KVMESH_* variables set on the pods (kvmesh.engineEnv)
     fieldRef:
       fieldPath: metadata.name
 - name: POD_IP
+{{- if .Values.podIP }}
+  value: {{ .Values.podIP | quote }}
+{{- else }}
   valueFrom:
     fieldRef:
       fieldPath: status.podIP
+{{- end }}
+{{- end -}}
+
+{{/*
+The pod's own address inside other env values: $(POD_IP), or podIP as written when it
+is set (runtimes that expand no $(VAR) references, like podman 4's kube play).
+*/}}
+{{- define "kvmesh.podIPRef" -}}
+{{- .Values.podIP | default "$(POD_IP)" -}}
 {{- end -}}
 
 {{/* The Redis password, when remote.redis.passwordSecret names a Secret. */}}
@@ -268,6 +282,14 @@ imagePullSecrets:
 {{- end }}
 {{- with $root.Values.podSecurityContext }}
 securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- if $root.Values.hostNetwork }}
+hostNetwork: true
+dnsPolicy: ClusterFirstWithHostNet
+{{- end }}
+{{- with $root.Values.hostAliases }}
+hostAliases:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- with $c.nodeSelector }}
