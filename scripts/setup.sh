@@ -18,6 +18,10 @@ command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
 command -v dockerd >/dev/null 2>&1 || need_apt+=(docker.io)
 command -v debootstrap >/dev/null 2>&1 || need_apt+=(debootstrap)
 command -v podman >/dev/null 2>&1 || need_apt+=(podman runc)
+# podman builds its pause image from catatonit (a recommended package, not a dependency).
+command -v catatonit >/dev/null 2>&1 || need_apt+=(catatonit)
+# scripts/install_deploy_tools.sh unpacks helm and kubectl from a zip.
+command -v unzip >/dev/null 2>&1 || need_apt+=(unzip)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" -eq 0 ]; then
     log "apt-get install ${need_apt[*]}"
