@@ -97,7 +97,7 @@ def hit_tokens() -> float:
 
 @pytest.fixture(scope="module")
 def mesh(docker_env: dict[str, str]) -> Iterator[dict[str, str]]:
-    _run([*COMPOSE, "down", "-v", "--remove-orphans"], docker_env, 120)
+    _run([*COMPOSE, "--profile", "pd", "down", "-v", "--remove-orphans"], docker_env, 120)
     try:
         _run([*COMPOSE, "up", "--wait", "--wait-timeout", "600"], docker_env, 700)
     except AssertionError:
@@ -108,7 +108,7 @@ def mesh(docker_env: dict[str, str]) -> Iterator[dict[str, str]]:
         [*COMPOSE, "logs", "--tail", "40"], env=docker_env, capture_output=True, text=True
     )
     print(logs.stdout[-20000:])
-    _run([*COMPOSE, "down", "-v", "--remove-orphans"], docker_env, 180)
+    _run([*COMPOSE, "--profile", "pd", "down", "-v", "--remove-orphans"], docker_env, 180)
 
 
 def test_compose_file_is_valid() -> None:
@@ -185,3 +185,25 @@ def test_cacheserver_restart_under_load(mesh: dict[str, str]) -> None:
     complete(prompt)
     assert hit_tokens() - before >= 4 * 256
 
+
+def test_pd_profile_pushes_the_prompt_kv_from_the_prefiller(mesh: dict[str, str]) -> None:
+    _run([*COMPOSE, "--profile", "pd", "up", "--wait", "--wait-timeout", "600", "prefiller"],
+         mesh, 700)  # fmt: skip
+
+    def prefiller_up() -> bool:
+        health = _http("GET", BRIDGE + "/health")
+        return all(p["state"] == "up" for p in health["prefillers"])
+
+    wait_for(prefiller_up, 60)
+    bridge = "http://127.0.0.1:7631/metrics"
+    fallbacks = metric(metrics(bridge), "kvmesh_bridge_fallbacks_total")
+    received = metric(metrics(WORKER_METRICS), "kvmesh_pd_received_chunks_total")
+    before = hit_tokens()
+    prompt = prompt_tokens(1500, seed=13)
+    answer = complete(prompt)
+    assert answer["choices"][0]["text"]
+    assert metric(metrics(bridge), "kvmesh_bridge_fallbacks_total") == fallbacks
+    # 1500 tokens: 5 full chunks and the last partial one, pushed by the prefiller and
+    # loaded by the worker (the decoder) instead of computed.
+    assert metric(metrics(WORKER_METRICS), "kvmesh_pd_received_chunks_total") - received >= 5
+    assert hit_tokens() - before >= 5 * 256
