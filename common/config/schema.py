@@ -419,6 +419,45 @@ class BridgeConfig(_Section):
                 seen[b.instance_id] = f"{name}{where}"
 
 
+class SecurityConfig(_Section):
+    """Who may talk to the mesh: ZMQ CURVE on every kvmesh socket, a bearer token on the
+    HTTP admin endpoints. Everything empty (the default): no encryption, no checks.
+
+    CURVE uses pyzmq's certificate files (`kvmesh keys generate DIR --name NAME` writes
+    NAME.key, the public half, and NAME.key_secret). The whole mesh shares one server key
+    pair, so a client needs one public key whatever it talks to; each client process
+    (worker, lookup-server, CLI) has its own key pair, and servers accept the client
+    public keys found in `allowed_clients`. Files are read and checked at start-up.
+    """
+
+    # The servers' certificate: the secret file on hosts that serve (it also carries the
+    # public key), the public file where only clients run. "" = CURVE off.
+    server_key: str = ""
+    # This process's client certificate (the secret file); needed wherever a process
+    # connects to a kvmesh server.
+    client_key: str = ""
+    # A directory of client public certificates (*.key): the clients servers accept.
+    allowed_clients: str = ""
+    # A file holding the bearer token the HTTP admin endpoints require ("" = open);
+    # /metrics and /health stay open for scrapers and probes.
+    http_token_file: str = ""
+
+    def __post_init__(self) -> None:
+        # CURVE half set up would run the mesh in the clear while the user believes it
+        # is locked: refuse it.
+        if not self.server_key and (self.client_key or self.allowed_clients):
+            raise RuleError(
+                "server_key",
+                "must be set when client_key or allowed_clients is (CURVE needs the servers' key)",
+                related=("client_key", "allowed_clients"),
+            )
+
+    @property
+    def curve(self) -> bool:
+        """Whether CURVE is on."""
+        return bool(self.server_key)
+
+
 class LoggingConfig(_Section):
     level: LogLevel = "info"
     json: bool = True
@@ -433,3 +472,4 @@ class KvmeshConfig(_Section):
     cacheserver: CacheServerConfig = CacheServerConfig()
     bridge: BridgeConfig = BridgeConfig()
     logging: LoggingConfig = LoggingConfig()
+    security: SecurityConfig = SecurityConfig()

@@ -35,6 +35,7 @@ from kvmesh.common.transport.cacheserver_errors import (
     ValueTooLargeError,
     error_from,
 )
+from kvmesh.common.transport.curve import CurveKeys, apply_client
 
 __all__ = [
     "BadRequestError",
@@ -71,8 +72,10 @@ class CacheServerClient:
         timeout_s: float = 5.0,
         name: str = "",
         context: zmq.Context | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.curve = curve
         self.timeout_s = timeout_s
         self.name = name or f"kvmesh-{os.getpid()}"
         self._ctx = context or zmq.Context.instance()
@@ -113,6 +116,7 @@ class CacheServerClient:
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
         monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+        apply_client(sock, self.curve, self.endpoint)
         sock.connect(self.endpoint)
         self._sock, self._monitor, self._loop = sock, monitor, loop
         loop.add_reader(sock.getsockopt(zmq.FD), self._drain)

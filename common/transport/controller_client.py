@@ -19,6 +19,7 @@ import zmq
 import zmq.asyncio
 
 from kvmesh.common.protocol import controller as proto
+from kvmesh.common.transport.curve import CurveKeys, apply_client
 
 T = TypeVar("T")
 
@@ -41,8 +42,10 @@ class ControllerConnection:
         timeout_s: float = 1.0,
         client: str = "kvmesh",
         on_push: Callable[[Any], None] | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
         self.url = url
+        self.curve = curve
         self.timeout_s = timeout_s
         self.client = client
         self.on_push = on_push
@@ -58,6 +61,7 @@ class ControllerConnection:
         sock.setsockopt(zmq.SNDHWM, 10_000)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        apply_client(sock, self.curve, self.url)
         sock.connect(self.url)
         self._sock = sock
         self._reader = asyncio.create_task(self._read_forever(), name="controller-conn-reader")

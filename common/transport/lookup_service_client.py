@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from kvmesh.common.protocol import lookup as wire
 from kvmesh.common.protocol import lookup_service as proto
+from kvmesh.common.transport.curve import CurveKeys, apply_client
 
 
 class LookupServiceError(Exception):
@@ -34,8 +35,16 @@ class LookupServiceUnavailable(Exception):
 
 
 class LookupServiceClient:
-    def __init__(self, url: str, *, timeout_s: float = 5.0, name: str = "kvmesh") -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 5.0,
+        name: str = "kvmesh",
+        curve: CurveKeys | None = None,
+    ) -> None:
         self.url = url
+        self.curve = curve
         self.timeout_s = timeout_s
         self.name = name
         self._ctx = zmq.asyncio.Context()
@@ -50,6 +59,7 @@ class LookupServiceClient:
         # Queue nothing for a server that is not connected: a request sent while it is
         # down times out here instead of reaching it, stale, once it is back.
         sock.immediate = True
+        apply_client(sock, self.curve, self.url)
         sock.connect(self.url)
         self._sock = sock
         self._reader = asyncio.create_task(self._read())

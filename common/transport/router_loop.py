@@ -70,13 +70,20 @@ class RouterLoop:
         self._sock: zmq.Socket | None = None
 
     def start(
-        self, host: str, port: int, *, max_message_bytes: int, monitor_events: int = 0
+        self,
+        host: str,
+        port: int,
+        *,
+        max_message_bytes: int,
+        monitor_events: int = 0,
+        secure: Callable[[zmq.Socket], None] | None = None,
     ) -> int:
         """Bind host:port (port 0: any free one) and serve; returns the port.
 
         A frame over max_message_bytes closes its sender's connection (ZMQ's
         MAXMSGSIZE). With monitor_events, `monitor` receives those socket events; it
-        is set up before the bind, so it sees every connection.
+        is set up before the bind, so it sees every connection. `secure(sock)` runs
+        before the bind too (CURVE: common/transport/curve.py).
         """
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -84,6 +91,8 @@ class RouterLoop:
         sock.setsockopt(zmq.RCVHWM, HWM)
         sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        if secure is not None:
+            secure(sock)
         if monitor_events:
             self.monitor = sock.get_monitor_socket(monitor_events)
         endpoint = f"tcp://{_zmq_host(host)}"

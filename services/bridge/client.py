@@ -19,17 +19,19 @@ class BridgeError(Exception):
 _transfers = msgspec.json.Decoder(list[TransferInfo])
 
 
-async def fetch_transfers(url: str, timeout_s: float) -> list[TransferInfo]:
-    """GET /transfers of the bridge at `url` (http://host:port)."""
-    return _transfers.decode(await _get(url.rstrip("/") + "/transfers", timeout_s))
+async def fetch_transfers(url: str, timeout_s: float, token: str = "") -> list[TransferInfo]:
+    """GET /transfers of the bridge at `url` (http://host:port), with the bearer token
+    when one is given."""
+    return _transfers.decode(await _get(url.rstrip("/") + "/transfers", timeout_s, token))
 
 
-async def _get(url: str, timeout_s: float) -> bytes:
+async def _get(url: str, timeout_s: float, token: str = "") -> bytes:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
         async with (
             aiohttp.ClientSession(timeout=timeout, trust_env=False) as session,
-            session.get(url) as resp,
+            session.get(url, headers=headers) as resp,
         ):
             body = await resp.read()
     except TimeoutError:

@@ -24,6 +24,7 @@ import msgspec
 from kvmesh.common.config.schema import BridgeConfig
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol.lookup import MAX_TOKENS
+from kvmesh.common.transport.curve import CurveKeys
 from kvmesh.common.transport.lookup_service_client import (
     LookupServiceClient,
     LookupServiceError,
@@ -95,11 +96,16 @@ def tokenize_body(endpoint: Endpoint, body: Mapping[str, Any], prompt: str | Non
 class PrefixLookup:
     """`async with PrefixLookup(config, session)`; then `hits(...)` per request."""
 
-    def __init__(self, config: BridgeConfig, session: aiohttp.ClientSession) -> None:
+    def __init__(
+        self,
+        config: BridgeConfig,
+        session: aiohttp.ClientSession,
+        curve: CurveKeys | None = None,
+    ) -> None:
         self.config = config
         self.session = session
         self.client = LookupServiceClient(
-            config.lookup_url, timeout_s=config.lookup_timeout_s, name="bridge"
+            config.lookup_url, timeout_s=config.lookup_timeout_s, name="bridge", curve=curve
         )
         self._tokenize_timeout = aiohttp.ClientTimeout(total=config.tokenize_timeout_s)
         # The reason of the last failure, "" while lookups work: a lookup-server that

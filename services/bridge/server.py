@@ -30,6 +30,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvmesh.common.config.schema import BridgeConfig
 from kvmesh.common.observability import get_logger
+from kvmesh.common.observability.http_auth import authorized
+from kvmesh.common.transport.curve import CurveKeys
 from kvmesh.services.bridge.backends import Backend, BackendPool, describe, probe_all
 from kvmesh.services.bridge.openai import error_json
 from kvmesh.services.bridge.prefix_lookup import PrefixLookup
@@ -48,8 +50,14 @@ STOP_GRACE_S = 5.0
 class BridgeServer:
     """Build with a config, `await start()`, then `await wait_closed()` or `stop()`."""
 
-    def __init__(self, config: BridgeConfig) -> None:
+    def __init__(
+        self, config: BridgeConfig, *, curve: CurveKeys | None = None, http_token: str = ""
+    ) -> None:
         self.config = config
+        self.curve = curve
+        # Guards /transfers only: the OpenAI paths pass the client's own Authorization
+        # through to the backends, and /metrics, /health stay open for probes.
+        self.http_token = http_token
         self.stats = BridgeStats()
         self.prefillers = BackendPool(
             [
@@ -88,7 +96,7 @@ class BridgeServer:
         if cfg.lookup_url:
             # Connecting does not wait for the lookup-server: until it answers, requests
             # go to the least loaded backend.
-            self.lookup = await PrefixLookup(cfg, self._session).__aenter__()
+            self.lookup = await PrefixLookup(cfg, self._session, self.curve).__aenter__()
         self.proxy = Proxy(
             cfg,
             self._session,
@@ -207,6 +215,8 @@ class BridgeServer:
         )
 
     async def _transfers(self, request: web.Request) -> web.Response:
+        if not authorized(request.headers.get("Authorization"), self.http_token):
+            return error_response(401, "missing or wrong bearer token")
         return web.Response(
             body=msgspec.json.encode(self.transfers.snapshot()), content_type="application/json"
         )

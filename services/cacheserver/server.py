@@ -38,6 +38,7 @@ from kvmesh.common.observability import Metrics, get_logger
 from kvmesh.common.observability.http import ProbeServer
 from kvmesh.common.protocol import cacheserver as proto
 from kvmesh.common.protocol.cacheserver import ErrorCode
+from kvmesh.common.transport.curve import CurveGuard, CurveKeys
 from kvmesh.common.transport.router_loop import Answer, RouterLoop
 from kvmesh.services.cacheserver.handlers import Handlers, RequestError
 from kvmesh.services.cacheserver.lm_listener import LmListener
@@ -60,8 +61,16 @@ class _Session:
 class CacheServer:
     """Build with a config, `await start()`, then `await wait_closed()` or `stop()`."""
 
-    def __init__(self, config: CacheServerConfig, *, name: str = "kvmesh-cacheserver") -> None:
+    def __init__(
+        self,
+        config: CacheServerConfig,
+        *,
+        name: str = "kvmesh-cacheserver",
+        curve: CurveKeys | None = None,
+    ) -> None:
         self.config = config
+        self.curve = curve
+        self.guard: CurveGuard | None = None
         self.name = name
         self.stats = ServerStats(Metrics())
         spill = None
@@ -98,13 +107,16 @@ class CacheServer:
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
+        # The router's monitor (connection counts) also carries the refused handshakes.
+        self.guard = guard = CurveGuard(self._ctx, self.curve, self.stats.metrics, "cacheserver")
         self.port = self.router.start(
             cfg.host,
             cfg.port,
             # Values are bounded by max_value_size, headers (up to MAX_BATCH keys) by a
             # few MiB.
             max_message_bytes=int(cfg.max_value_size) + (8 << 20),
-            monitor_events=zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED,
+            monitor_events=zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | guard.events,
+            secure=guard.secure,
         )
         assert self.router.monitor is not None
         loop = asyncio.get_running_loop()
@@ -142,6 +154,8 @@ class CacheServer:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.guard is not None:
+            await asyncio.to_thread(self.guard.close)
         self._ctx.term()
         if self.store.spill is not None:
             self.store.spill.close()
@@ -255,6 +269,8 @@ class CacheServer:
                 self.zmq_connections += 1
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self.zmq_connections = max(0, self.zmq_connections - 1)
+            elif self.guard is not None:
+                self.guard.count(event)
         self.stats.connections["zmq"].set(self.zmq_connections)
 
     async def _housekeeping(self) -> None:

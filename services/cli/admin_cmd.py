@@ -32,6 +32,7 @@ from kvmesh.common.transport.controller_client import (
     ControllerError,
     ControllerUnavailable,
 )
+from kvmesh.services.cli.serving import load_security, load_service_config
 
 EXIT_FAILED = 1
 EXIT_UNREACHABLE = 3
@@ -47,17 +48,32 @@ EXIT_UNREACHABLE = 3
 )
 @click.option("--timeout", "timeout_s", type=float, default=10.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False, path_type=str),
+    default=None,
+    help="YAML config (default: $KVMESH_CONFIG) whose `security:` section holds the "
+    "CURVE client key and the HTTP token.",
+)
 @click.pass_context
-def admin(ctx: click.Context, url: str, timeout_s: float, as_json: bool) -> None:
+def admin(
+    ctx: click.Context, url: str, timeout_s: float, as_json: bool, config_file: str | None
+) -> None:
     """Administer a running mesh through its controller."""
-    ctx.obj = {"url": url, "timeout_s": timeout_s, "json": as_json}
+    cfg = load_service_config("security", config_file, {})
+    curve, token = load_security(cfg, client=True)
+    ctx.obj = {"url": url, "timeout_s": timeout_s, "json": as_json, "curve": curve}
+    ctx.obj["token"] = token
 
 
 def _call(ctx: click.Context, build: Any, expect: type, extra_s: float = 0.0) -> Any:
     """One request to the controller; its reply within --timeout plus extra_s."""
 
     async def main() -> Any:
-        conn = ControllerConnection(ctx.obj["url"], timeout_s=ctx.obj["timeout_s"], client="cli")
+        conn = ControllerConnection(
+            ctx.obj["url"], timeout_s=ctx.obj["timeout_s"], client="cli", curve=ctx.obj["curve"]
+        )
         try:
             await conn.connect()
             deadline_s = ctx.obj["timeout_s"] + extra_s
@@ -242,7 +258,9 @@ def lookup(ctx: click.Context, tokens: str, instance: str, lookup_url: str, look
     ids = _read_tokens(tokens)
 
     async def main() -> Any:
-        async with LookupServiceClient(lookup_url, timeout_s=ctx.obj["timeout_s"], name="cli") as c:
+        async with LookupServiceClient(
+            lookup_url, timeout_s=ctx.obj["timeout_s"], name="cli", curve=ctx.obj["curve"]
+        ) as c:
             if instance:
                 return await c.lookup(instance, ids, lookup_id=lookup_id, pin=bool(lookup_id))
             return await c.best_instances(ids)
@@ -288,7 +306,7 @@ def transfers(ctx: click.Context, bridge_url: str, as_json: bool) -> None:
     from kvmesh.services.bridge.client import BridgeError, BridgeUnavailable, fetch_transfers
 
     try:
-        infos = asyncio.run(fetch_transfers(bridge_url, ctx.obj["timeout_s"]))
+        infos = asyncio.run(fetch_transfers(bridge_url, ctx.obj["timeout_s"], ctx.obj["token"]))
     except BridgeUnavailable as exc:
         click.echo(f"error: bridge at {bridge_url} did not answer: {exc}", err=True)
         sys.exit(EXIT_UNREACHABLE)

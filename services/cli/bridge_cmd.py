@@ -7,7 +7,12 @@ from typing import Any
 
 import click
 
-from kvmesh.services.cli.serving import EXIT_INVALID, load_service_config, run_service
+from kvmesh.services.cli.serving import (
+    EXIT_INVALID,
+    load_security,
+    load_service_config,
+    run_service,
+)
 
 
 @click.command("bridge")
@@ -50,12 +55,13 @@ def bridge(config_file: str | None, ready_file: str | None, **options: Any) -> N
             err=True,
         )
         sys.exit(EXIT_INVALID)
+    curve, http_token = load_security(cfg, client=bool(cfg.bridge.lookup_url))
     from kvmesh.services.bridge.server import BridgeServer
 
     run_service(
         "bridge",
         cfg,
-        lambda: BridgeServer(cfg.bridge),
+        lambda: BridgeServer(cfg.bridge, curve=curve, http_token=http_token),
         ready_file,
         lambda s: {"port": s.port, "metrics_port": s.metrics_port or None},
     )

@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from kvmesh.services.cli.serving import load_service_config, run_service
+from kvmesh.services.cli.serving import load_security, load_service_config, run_service
 
 
 @click.command("cacheserver")
@@ -39,12 +39,13 @@ def cacheserver(config_file: str | None, ready_file: str | None, **options: Any)
     defaults as usual (see docs/configuration.md).
     """
     cfg = load_service_config("cacheserver", config_file, options)
+    curve, _ = load_security(cfg, server=True)
     from kvmesh.services.cacheserver.server import CacheServer
 
     run_service(
         "cacheserver",
         cfg,
-        lambda: CacheServer(cfg.cacheserver),
+        lambda: CacheServer(cfg.cacheserver, curve=curve),
         ready_file,
         lambda s: {
             "port": s.port,

@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from kvmesh.services.cli.serving import load_service_config, run_service
+from kvmesh.services.cli.serving import load_security, load_service_config, run_service
 
 
 @click.command("controller")
@@ -37,12 +37,13 @@ def controller(config_file: str | None, ready_file: str | None, **options: Any) 
     defaults as usual (see docs/configuration.md).
     """
     cfg = load_service_config("controller", config_file, options)
+    curve, http_token = load_security(cfg, server=True)
     from kvmesh.services.controller.server import ControllerServer
 
     run_service(
         "controller",
         cfg,
-        lambda: ControllerServer(cfg.controller),
+        lambda: ControllerServer(cfg.controller, curve=curve, http_token=http_token),
         ready_file,
         lambda s: {"port": s.port, "http_port": s.http.port if s.http else None},
     )

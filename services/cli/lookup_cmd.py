@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from kvmesh.services.cli.serving import load_service_config, run_service
+from kvmesh.services.cli.serving import load_security, load_service_config, run_service
 
 
 @click.command("lookup")
@@ -51,12 +51,13 @@ def lookup(config_file: str | None, ready_file: str | None, **options: Any) -> N
     defaults as usual (see docs/configuration.md).
     """
     cfg = load_service_config("lookup", config_file, options)
+    curve, _ = load_security(cfg, server=True, client=True)
     from kvmesh.services.lookup.server import LookupService
 
     run_service(
         "lookup",
         cfg,
-        lambda: LookupService(cfg.lookup),
+        lambda: LookupService(cfg.lookup, curve=curve),
         ready_file,
         lambda s: {"port": s.port, **({"metrics_port": s.http.port} if s.http else {})},
     )

@@ -12,6 +12,7 @@ from kvmesh.services.cli.config_cmd import config
 from kvmesh.services.cli.controller_cmd import controller
 from kvmesh.services.cli.demo_cmd import demo
 from kvmesh.services.cli.disk_cmd import disk
+from kvmesh.services.cli.keys_cmd import keys
 from kvmesh.services.cli.lookup_cmd import lookup
 from kvmesh.services.cli.probe_cmd import probe_cmd
 
@@ -35,6 +36,7 @@ cli.add_command(admin)
 cli.add_command(config)
 cli.add_command(demo)
 cli.add_command(disk)
+cli.add_command(keys)
 cli.add_command(probe_cmd)
 
 

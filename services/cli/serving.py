@@ -16,6 +16,8 @@ import click
 
 from kvmesh.common.config import ConfigError, KvmeshConfig, load_config
 from kvmesh.common.observability import configure_logging
+from kvmesh.common.observability.http_auth import read_http_token
+from kvmesh.common.transport.curve import CurveKeys, load_curve
 
 EXIT_INVALID = 2
 
@@ -34,6 +36,19 @@ def load_service_config(
     overrides = {f"{section}.{k}": v for k, v in options.items() if v is not None}
     try:
         return load_config(config_file, overrides=overrides)
+    except ConfigError as exc:
+        for line in str(exc).splitlines():
+            click.echo(f"error: {line}", err=True)
+        sys.exit(EXIT_INVALID)
+
+
+def load_security(
+    cfg: KvmeshConfig, *, server: bool = False, client: bool = False
+) -> tuple[CurveKeys | None, str]:
+    """The CURVE keys and HTTP token the config names, read and checked before the
+    service starts; exits 2 naming the `security.*` key and the path on any problem."""
+    try:
+        return load_curve(cfg.security, server=server, client=client), read_http_token(cfg.security)
     except ConfigError as exc:
         for line in str(exc).splitlines():
             click.echo(f"error: {line}", err=True)

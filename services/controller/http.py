@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from kvmesh.common.observability.http_auth import authorized, needs_token
 from kvmesh.common.protocol import controller as proto
 
 if TYPE_CHECKING:
@@ -40,9 +41,10 @@ class _BadRequest(Exception):
 
 
 class AdminHttp:
-    def __init__(self, server: ControllerServer, host: str) -> None:
+    def __init__(self, server: ControllerServer, host: str, token: str = "") -> None:
         self.server = server
         self.host = host
+        self.token = token
         self.port = 0
         self._server: asyncio.Server | None = None
 
@@ -59,13 +61,16 @@ class AdminHttp:
         try:
             async with asyncio.timeout(READ_TIMEOUT_S):
                 head = await reader.readuntil(b"\r\n\r\n")
-                method, path, length = _parse_head(head)
+                method, path, length, auth = _parse_head(head)
                 body = await reader.readexactly(length) if length else b""
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, OSError):
             writer.close()
             return
         except _BadRequest as exc:
             await _respond(writer, 400, {"error": str(exc)})
+            return
+        if needs_token(method, path) and not authorized(auth, self.token):
+            await _respond(writer, 401, {"error": "missing or wrong bearer token"})
             return
         try:
             status, payload = await self._route(method, path, body)
@@ -133,22 +138,25 @@ def _move(args: dict[str, Any], event_id: str, *, copy: bool) -> proto.Move:
     return proto.Move(0, event_id, _keys(args, required=False), src, dst, copy, float(timeout_s))
 
 
-def _parse_head(head: bytes) -> tuple[str, str, int]:
+def _parse_head(head: bytes) -> tuple[str, str, int, str | None]:
     lines = head.decode("latin-1").split("\r\n")
     parts = lines[0].split()
     if len(parts) < 2:
         raise _BadRequest("bad request line")
     length = 0
+    auth = None
     for line in lines[1:]:
         name, _, value = line.partition(":")
-        if name.strip().lower() == "content-length":
+        if name.strip().lower() == "authorization":
+            auth = value.strip()
+        elif name.strip().lower() == "content-length":
             try:
                 length = int(value.strip())
             except ValueError:
                 raise _BadRequest("bad Content-Length") from None
     if not 0 <= length <= MAX_BODY_BYTES:
         raise _BadRequest(f"body over {MAX_BODY_BYTES} bytes")
-    return parts[0], parts[1].split("?", 1)[0], length
+    return parts[0], parts[1].split("?", 1)[0], length, auth
 
 
 def _json_object(body: bytes) -> dict[str, Any]:
@@ -176,7 +184,13 @@ async def _respond(writer: asyncio.StreamWriter, status: int, payload: Any) -> N
         ctype, body = "text/plain; version=0.0.4; charset=utf-8", payload
     else:
         ctype, body = "application/json", json.dumps(payload).encode() + b"\n"
-    reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed"}
+    reason = {
+        200: "OK",
+        400: "Bad Request",
+        401: "Unauthorized",
+        404: "Not Found",
+        405: "Method Not Allowed",
+    }
     head = (
         f"HTTP/1.1 {status} {reason.get(status, '')}\r\nContent-Type: {ctype}\r\n"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"

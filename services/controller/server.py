@@ -36,6 +36,7 @@ from kvmesh.common.config import ControllerConfig
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import controller as proto
 from kvmesh.common.protocol.controller import ErrorCode
+from kvmesh.common.transport.curve import CurveGuard, CurveKeys
 from kvmesh.common.transport.router_loop import Answer, RouterLoop
 from kvmesh.services.controller.admin import AdminFanout
 from kvmesh.services.controller.handlers import Handlers
@@ -56,8 +57,18 @@ FREEZE_S = 1.0
 class ControllerServer:
     """Build with a config, `await start()`, then `await wait_closed()` or `stop()`."""
 
-    def __init__(self, config: ControllerConfig, *, name: str = "kvmesh-controller") -> None:
+    def __init__(
+        self,
+        config: ControllerConfig,
+        *,
+        name: str = "kvmesh-controller",
+        curve: CurveKeys | None = None,
+        http_token: str = "",
+    ) -> None:
         self.config = config
+        self.curve = curve
+        self.http_token = http_token
+        self.guard: CurveGuard | None = None
         self.name = name
         self.stats = ControllerStats()
         self.registry = Registry()
@@ -93,11 +104,14 @@ class ControllerServer:
                     self.restored_workers = self.registry.load(data)
             except (msgspec.DecodeError, ValueError) as exc:
                 log.error("snapshot unreadable, starting empty", error=str(exc))
-        self.port = self.router.start(cfg.host, cfg.port, max_message_bytes=MAX_MESSAGE_BYTES)
+        self.guard = CurveGuard(self._ctx, self.curve, self.stats.metrics, "controller")
+        self.port = self.router.start(
+            cfg.host, cfg.port, max_message_bytes=MAX_MESSAGE_BYTES, secure=self.guard.serve
+        )
         self._tasks = [asyncio.create_task(self._housekeeping(), name="controller-housekeeping")]
         http_port = cfg.http_port or cfg.metrics_port
         if http_port:
-            self.http = AdminHttp(self, cfg.host)
+            self.http = AdminHttp(self, cfg.host, self.http_token)
             await self.http.start(http_port)
         self._update_gauges()
         log.info(
@@ -122,6 +136,8 @@ class ControllerServer:
         if self.config.snapshot_path:
             await self.save_snapshot()
         self.router.close()
+        if self.guard is not None:
+            await asyncio.to_thread(self.guard.close)
         self._ctx.term()
         log.info("controller stopped")
         self._closed.set()

@@ -38,6 +38,7 @@ import zmq.asyncio
 from kvmesh.common.observability import Metrics, get_logger
 from kvmesh.common.protocol import controller as proto
 from kvmesh.common.protocol.controller import ErrorCode
+from kvmesh.common.transport.curve import CurveKeys, apply_client
 from kvmesh.services.lookup.index import ChunkIndex, UnknownWorker, unpack_ints
 
 log = get_logger(__name__)
@@ -95,8 +96,10 @@ class IndexFollower:
         request_timeout_s: float,
         snapshot_timeout_s: float,
         name: str = "kvmesh-lookup-index",
+        curve: CurveKeys | None = None,
     ) -> None:
         self.url = url
+        self.curve = curve
         self.ping_s = ping_s
         self.max_staleness_s = max_staleness_s
         self.request_timeout_s = request_timeout_s
@@ -140,6 +143,7 @@ class IndexFollower:
         sock.setsockopt(zmq.RCVHWM, RCV_HWM)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        apply_client(sock, self.curve, self.url)
         sock.connect(self.url)
         self._sock = sock
         self._tasks = [

@@ -46,6 +46,7 @@ from kvmesh.common.transport.controller_client import (
     ControllerError,
     ControllerUnavailable,
 )
+from kvmesh.common.transport.curve import CurveGuard, CurveKeys
 from kvmesh.services.lookup.follower import IndexFollower
 from kvmesh.services.lookup.workers import WorkerPool
 
@@ -65,8 +66,16 @@ class Unavailable(Exception):
 class LookupService:
     """Build with a config, `await start()`, then `await wait_closed()` or `stop()`."""
 
-    def __init__(self, config: LookupConfig, *, name: str = "kvmesh-lookup") -> None:
+    def __init__(
+        self,
+        config: LookupConfig,
+        *,
+        name: str = "kvmesh-lookup",
+        curve: CurveKeys | None = None,
+    ) -> None:
         self.config = config
+        self.curve = curve
+        self.guard: CurveGuard | None = None
         self.name = name
         self.port = 0
         self.metrics = m = Metrics({"service": "lookup"})
@@ -100,14 +109,15 @@ class LookupService:
                 request_timeout_s=config.controller_timeout_s,
                 snapshot_timeout_s=config.index_snapshot_timeout_s,
                 name=f"{name}-index",
+                curve=curve,
             )
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._controller = ControllerConnection(
-            config.controller_url, timeout_s=config.controller_timeout_s, client=name
+            config.controller_url, timeout_s=config.controller_timeout_s, client=name, curve=curve
         )
         self._hello_done = False
-        self._pool = WorkerPool()
+        self._pool = WorkerPool(curve)
         self._tasks: list[asyncio.Task] = []
         self._inflight: set[asyncio.Task] = set()
         self._closed = asyncio.Event()
@@ -130,6 +140,8 @@ class LookupService:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.linger = 0
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.guard = CurveGuard(self._ctx, self.curve, self.metrics, "lookup")
+        self.guard.serve(sock)
         host = self.config.host if self.config.host not in ("", "0.0.0.0") else "*"
         if self.config.port:
             sock.bind(f"tcp://{host}:{self.config.port}")
@@ -169,6 +181,8 @@ class LookupService:
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
+        if self.guard is not None:
+            await asyncio.to_thread(self.guard.close)
         self._ctx.term()
         log.info("lookup-server stopped")
         self._closed.set()

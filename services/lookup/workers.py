@@ -20,6 +20,7 @@ import zmq.asyncio
 
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import lookup as wire
+from kvmesh.common.transport.curve import CurveKeys, apply_client
 
 log = get_logger(__name__)
 
@@ -27,12 +28,15 @@ MAX_ENDPOINTS = 4096
 
 
 class _Conn:
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
+    def __init__(
+        self, ctx: zmq.asyncio.Context, endpoint: str, curve: CurveKeys | None = None
+    ) -> None:
         sock = ctx.socket(zmq.DEALER)
         sock.linger = 0
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        apply_client(sock, curve, endpoint)
         sock.connect(endpoint)
         self.sock = sock
         self.pending: dict[int, asyncio.Future[wire.Reply]] = {}
@@ -59,7 +63,8 @@ class _Conn:
 class WorkerPool:
     """Asks workers at their lookup endpoints; owns one DEALER per endpoint."""
 
-    def __init__(self) -> None:
+    def __init__(self, curve: CurveKeys | None = None) -> None:
+        self.curve = curve
         self._ctx = zmq.asyncio.Context()
         self._conns: dict[str, _Conn] = {}
         self._rids = itertools.count(1)
@@ -73,7 +78,7 @@ class WorkerPool:
                 task = asyncio.get_running_loop().create_task(oldest.close())
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
-            conn = self._conns[endpoint] = _Conn(self._ctx, endpoint)
+            conn = self._conns[endpoint] = _Conn(self._ctx, endpoint, self.curve)
         return conn
 
     async def ask(
