@@ -18,11 +18,14 @@ buffers a decoder allocated for it (a NIXL WRITE, or PushChunks frames over ZMQ)
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvmesh.common.memory import MemoryObj
 from kvmesh.common.protocol.p2p import ChunkMeta, HelloReply, Reply, Request
 from kvmesh.common.transport.peer_conn import PeerError
+
+if TYPE_CHECKING:
+    from kvmesh.common.transport.curve import CurveKeys
 
 # Allocate a local buffer for a chunk the peer described; None when there is no room.
 AllocFn = Callable[[ChunkMeta], MemoryObj | None]
@@ -86,18 +89,22 @@ def nixl_available() -> bool:
     return True
 
 
-def make_channel(kind: str, name: str, regions: Sequence[tuple[int, int]] = ()) -> TransferChannel:
+def make_channel(
+    kind: str, name: str, regions: Sequence[tuple[int, int]] = (), *, curve: CurveKeys | None = None
+) -> TransferChannel:
     """A channel by config value (auto|nixl|zmq). regions: (address, length) of the
-    memory NIXL registers, the engine's L1 pool, served to peers and read into."""
+    memory NIXL registers, the engine's L1 pool, served to peers and read into. curve:
+    the CurveKeys its connections to peers use (None: plain)."""
     from kvmesh.common.transport.channel_zmq import ZmqChannel
+    from kvmesh.common.transport.peer_conn import PeerConnections
 
     if kind == "zmq" or (kind == "auto" and not nixl_available()):
-        return ZmqChannel()
+        return ZmqChannel(PeerConnections(curve))
     if kind not in ("auto", "nixl"):
         raise ValueError(f"unknown p2p channel {kind!r} (auto, nixl or zmq)")
     from kvmesh.common.transport.channel_nixl import NixlChannel
 
-    return NixlChannel(name, regions)
+    return NixlChannel(name, regions, curve=curve)
 
 
 def check_hello(reply: object) -> HelloReply:

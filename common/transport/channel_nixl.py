@@ -25,7 +25,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import p2p as proto
@@ -33,6 +33,9 @@ from kvmesh.common.transport.channel import AllocFn, Landed, Piece, check_hello
 from kvmesh.common.transport.channel_zmq import ZmqChannel
 from kvmesh.common.transport.chunk_regions import layer_regions
 from kvmesh.common.transport.peer_conn import PeerConnections, PeerError
+
+if TYPE_CHECKING:
+    from kvmesh.common.transport.curve import CurveKeys
 
 log = get_logger(__name__)
 
@@ -53,14 +56,16 @@ def _new_agent(name: str) -> Any:
 class NixlChannel:
     name = "nixl"
 
-    def __init__(self, name: str, regions: Sequence[tuple[int, int]]) -> None:
+    def __init__(
+        self, name: str, regions: Sequence[tuple[int, int]], *, curve: CurveKeys | None = None
+    ) -> None:
         self.agent_name = f"kvmesh-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.agent = _new_agent(self.agent_name)
         self._regs = [
             self.agent.register_memory(self.agent.get_reg_descs([(a, n, 0, "")], "DRAM"))
             for a, n in regions
         ]
-        self._conns = PeerConnections()
+        self._conns = PeerConnections(curve)
         self._zmq = ZmqChannel(self._conns)
         # Peer endpoint → its agent's name ("" = it speaks ZMQ only).
         self._agents: dict[str, str] = {}

@@ -18,6 +18,7 @@ import zmq
 import zmq.asyncio
 
 from kvmesh.common.protocol import p2p as proto
+from kvmesh.common.transport.curve import CurveKeys, apply_client
 
 
 class PeerError(RuntimeError):
@@ -30,12 +31,15 @@ class PeerError(RuntimeError):
 
 
 class PeerConnection:
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
+    def __init__(
+        self, ctx: zmq.asyncio.Context, endpoint: str, curve: CurveKeys | None = None
+    ) -> None:
         self.endpoint = endpoint
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.linger = 0
         # Without a live peer, sends fail at once instead of queueing for a dead one.
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
+        apply_client(self._sock, curve, endpoint)
         self._sock.connect(endpoint)
         self._rids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[tuple[proto.Reply, list[zmq.Frame]]]] = {}
@@ -125,7 +129,8 @@ class PeerConnection:
 class PeerConnections:
     """One live connection per endpoint; broken ones are replaced on next use."""
 
-    def __init__(self) -> None:
+    def __init__(self, curve: CurveKeys | None = None) -> None:
+        self.curve = curve
         self._ctx: zmq.asyncio.Context | None = None
         self._conns: dict[str, PeerConnection] = {}
 
@@ -136,7 +141,7 @@ class PeerConnections:
                 conn.close()
             if self._ctx is None:
                 self._ctx = zmq.asyncio.Context()
-            conn = self._conns[endpoint] = PeerConnection(self._ctx, endpoint)
+            conn = self._conns[endpoint] = PeerConnection(self._ctx, endpoint, self.curve)
         return conn
 
     def drop(self, endpoint: str) -> None:

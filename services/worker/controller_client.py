@@ -62,6 +62,7 @@ class ControllerClient:
             timeout_s=self.cfg.timeout_s,
             client=f"worker {self.worker_id}",
             on_push=self._on_push,
+            curve=self.engine.curve,
         )
         await self._conn.connect(hello=False)
         self._tasks = [

@@ -23,6 +23,7 @@ from kvmesh.common.memory import HostMemoryPool, MemoryFormat, MemoryObj
 from kvmesh.common.observability import get_logger, serve_metrics
 from kvmesh.common.tokendb import ChunkedTokenDatabase
 from kvmesh.common.transport.channel import TransferChannel, make_channel
+from kvmesh.common.transport.curve import CurveKeys
 from kvmesh.gpu_ext import make_copier
 from kvmesh.services.worker import layerwise
 from kvmesh.services.worker.events import KVEventBuffer, KVEventKind
@@ -63,8 +64,11 @@ class KVEngine:
         world_size: int = 1,
         lower_tiers: Sequence[Tier] = (),
         mla_group: object | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
         self.instance_id = instance_id
+        # CURVE keys (security config) for every socket the engine opens; None = off.
+        self.curve = curve
         self.rank = rank
         self.world_size = world_size
         self.config = config
@@ -193,7 +197,9 @@ class KVEngine:
         """The L4 tier on the engine's loop, chosen by `remote.url`; it closes (on the
         loop) before the loop stops."""
         cfg = self.config.remote
-        connector = make_connector(cfg.url, key_prefix=cfg.key_prefix, timeout_s=cfg.timeout_s)
+        connector = make_connector(
+            cfg.url, key_prefix=cfg.key_prefix, timeout_s=cfg.timeout_s, curve=self.curve
+        )
         tier = RemoteTier(connector, self.loop, cfg, metrics=self.stats.metrics)
         self.add_close_hook(tier.close)
         return tier
@@ -204,7 +210,9 @@ class KVEngine:
         the loop stops."""
         buf = self.pool.buffer
         name = f"{self.instance_id}-{self.rank}"
-        channel = make_channel(self.config.p2p.channel, name, [(buf.data_ptr(), buf.numel())])
+        channel = make_channel(
+            self.config.p2p.channel, name, [(buf.data_ptr(), buf.numel())], curve=self.curve
+        )
 
         def close() -> None:
             if self.pd_receiver is not None and self.loop.running:

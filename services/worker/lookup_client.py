@@ -25,6 +25,7 @@ import zmq
 
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import lookup as proto
+from kvmesh.common.transport.curve import CurveKeys, apply_client
 
 log = get_logger(__name__)
 
@@ -55,6 +56,7 @@ class LookupClient:
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         client_name: str = "",
+        curve: CurveKeys | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("a lookup client needs at least one endpoint")
@@ -74,6 +76,7 @@ class LookupClient:
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
             sock.sndhwm = sock.rcvhwm = 1000
+            apply_client(sock, curve, endpoint)
             sock.connect(endpoint)
             self._socks.append(sock)
         self._closed = False

@@ -28,6 +28,7 @@ import zmq.asyncio
 
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import lookup as proto
+from kvmesh.common.transport.curve import CurveGuard
 
 if TYPE_CHECKING:
     from kvmesh.services.worker.engine import KVEngine
@@ -118,6 +119,10 @@ class LookupServer:
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.linger = 0
+        # CURVE on tcp only: an ipc endpoint is guarded by its directory's mode (0700).
+        curve = self.engine.curve if self.endpoint.startswith("tcp://") else None
+        guard = CurveGuard(ctx, curve, self.engine.stats.metrics, "worker")
+        guard.serve(sock)
         try:
             try:
                 endpoint = self._bind(sock)
@@ -136,6 +141,7 @@ class LookupServer:
                 log.exception("lookup server failed", endpoint=endpoint)
         finally:
             sock.close(0)
+            await asyncio.to_thread(guard.close)
             ctx.term()
             self._remove_ipc_file()
 

@@ -34,6 +34,7 @@ from kvmesh.common.memory import MemoryObj
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import p2p as proto
 from kvmesh.common.transport.channel import TransferChannel
+from kvmesh.common.transport.curve import CurveGuard
 from kvmesh.services.worker.pd_receiver import PdRefused
 
 if TYPE_CHECKING:
@@ -102,6 +103,8 @@ class P2PServer:
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.linger = 0
+        guard = CurveGuard(ctx, self.engine.curve, self.engine.stats.metrics, "worker")
+        guard.serve(sock)
         try:
             try:
                 sock.bind(self.endpoint)
@@ -118,6 +121,7 @@ class P2PServer:
             for task in list(self._bg):
                 task.cancel()
             sock.close(0)
+            await asyncio.to_thread(guard.close)
             ctx.term()
             for lease in list(self._leases):
                 self._release(lease)

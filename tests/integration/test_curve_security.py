@@ -292,3 +292,56 @@ def test_keys_files_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"security.server_key.*junk\.key"):
         load_curve(junk)
     assert json.dumps(load_curve(SecurityConfig())) == "null"  # CURVE off
+
+
+def _p2p_hello(endpoint: str, keys: CurveKeys | None) -> object:
+    from kvmesh.common.protocol import p2p
+    from kvmesh.common.transport.peer_conn import PeerConnections
+
+    async def main() -> object:
+        conns = PeerConnections(keys)
+        try:
+            conn = conns.get(endpoint)
+            msg = p2p.Hello(conn.next_rid(), p2p.PROTOCOL_VERSION, "test")
+            reply, _ = await conn.request(msg, REFUSED_S)
+            return reply
+        finally:
+            conns.drop(endpoint)
+
+    return asyncio.run(main())
+
+
+def test_worker_p2p_server_needs_the_key(mesh) -> None:
+    """The engine's P2P server (in this process: the engine is a library) serves a
+    keyed peer only, and counts the others in kvmesh_worker_auth_failures_total."""
+    from kvtest.p2p import engine_config, kv_cache
+
+    from kvmesh.common.protocol import p2p
+    from kvmesh.common.transport.peer_conn import PeerError
+    from kvmesh.services.worker.engine import KVEngine
+
+    m, _ = mesh
+    server_keys = load_curve(load_config(m.config, env={}).security, server=True, client=True)
+    engine = KVEngine("curve-p2p", 0, engine_config("zmq"), kv_cache(1), curve=server_keys)
+    try:
+        endpoint = engine.p2p_endpoint
+        assert isinstance(_p2p_hello(endpoint, m.admin), p2p.HelloReply)
+        for keys in (None, m.intruder):
+            with pytest.raises(PeerError):
+                _p2p_hello(endpoint, keys)
+
+        def counted() -> bool:
+            text = engine.stats.metrics.render().decode()
+            found = {
+                reason: float(value)
+                for reason, value in re.findall(
+                    r'^kvmesh_worker_auth_failures_total\{[^}]*reason="(\w+)"[^}]*\} (\S+)$',
+                    text,
+                    re.MULTILINE,
+                )
+            }
+            return found.get("no_key", 0) >= 1 and found.get("unknown_key", 0) >= 1
+
+        wait_for(counted, timeout=5, what="worker refusals counted")
+    finally:
+        engine.close()

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from kvmesh.common.chunk_codec import ChunkHeader
 from kvmesh.common.keys import ChunkKey
+
+if TYPE_CHECKING:
+    from kvmesh.common.transport.curve import CurveKeys
 
 SCHEMES = ("kvmesh", "redis", "rediss", "redis-cluster", "fs")
 
@@ -80,13 +83,16 @@ def redact(url: str) -> str:
     return parts._replace(netloc=netloc).geturl()
 
 
-def make_connector(url: str, *, key_prefix: str = "kvmesh:", timeout_s: float = 1.0) -> Connector:
-    """The connector for url (ValueError for an unknown scheme or a malformed URL)."""
+def make_connector(
+    url: str, *, key_prefix: str = "kvmesh:", timeout_s: float = 1.0, curve: CurveKeys | None = None
+) -> Connector:
+    """The connector for url (ValueError for an unknown scheme or a malformed URL);
+    curve: the CurveKeys a kvmesh:// connection uses (None: plain)."""
     scheme = url.partition("://")[0].lower()
     if scheme == "kvmesh":
         from kvmesh.services.worker.tiers.remote_kvmesh import KvmeshConnector
 
-        return KvmeshConnector(url, key_prefix=key_prefix, timeout_s=timeout_s)
+        return KvmeshConnector(url, key_prefix=key_prefix, timeout_s=timeout_s, curve=curve)
     if scheme in ("redis", "rediss", "redis-cluster"):
         from kvmesh.services.worker.tiers.remote_redis import RedisConnector
 

@@ -14,6 +14,7 @@ from typing import Any
 from kvmesh.common.chunk_codec import VALUE_LAYOUT, ChunkHeader
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.transport.cacheserver_client import CacheServerClient
+from kvmesh.common.transport.curve import CurveKeys
 from kvmesh.services.worker.tiers.remote_connector import Fetched, host_ports
 
 DEFAULT_PORT = 7620
@@ -24,7 +25,15 @@ class KvmeshConnector:
     scheme = "kvmesh"
     compresses = True
 
-    def __init__(self, url: str, *, key_prefix: str = "kvmesh:", timeout_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        key_prefix: str = "kvmesh:",
+        timeout_s: float = 1.0,
+        curve: CurveKeys | None = None,
+    ) -> None:
+        self.curve = curve
         rest = url.partition("://")[2].split("/", 1)[0]
         (host, port), *more = host_ports(rest, DEFAULT_PORT)
         if more:
@@ -53,7 +62,9 @@ class KvmeshConnector:
 
     async def reconnect(self) -> None:
         if self.client is None:
-            self.client = CacheServerClient(self.endpoint, timeout_s=self.timeout_s)
+            self.client = CacheServerClient(
+                self.endpoint, timeout_s=self.timeout_s, curve=self.curve
+            )
             await self.client.connect()
         else:
             await self.client.reconnect()

@@ -31,8 +31,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvmesh.common.config import EngineConfig
+from kvmesh.common.config import EngineConfig, KvmeshConfig
 from kvmesh.common.observability import configure_logging
+from kvmesh.common.transport.curve import CurveKeys, load_curve
 from kvmesh.services.worker.lookup_client import LookupClient
 from kvmesh.services.worker.vllm.kv_events import KvmeshKVEvents
 from kvmesh.services.worker.vllm.metadata import KvmeshConnectorMetadata
@@ -118,6 +119,7 @@ class KvmeshConnector(KVConnectorBase_V1):
                 engine_cfg.lookup_endpoint,
                 timeout_s=options.lookup_timeout_s,
                 client_name=f"vllm-scheduler-{self.instance_id}",
+                curve=load_curve(cfg.security, client=True),
             )
             self._scheduler = SchedulerSide(
                 engine_cfg, client, can_load=kvt.is_kv_consumer, can_save=kvt.is_kv_producer
@@ -132,6 +134,7 @@ class KvmeshConnector(KVConnectorBase_V1):
                 world_size,
                 vllm_config.cache_config.block_size,
                 events_enabled=bool(events and events.enable_kv_cache_events),
+                curve=_worker_curve(cfg, engine_cfg),
             )
         log.info(
             "kvmesh connector (%s) for instance %s, world size %d, layerwise=%s",
@@ -251,3 +254,15 @@ class KvmeshConnector(KVConnectorBase_V1):
     def take_events(self) -> Iterable[KVCacheEvent]:
         events, self._events = self._events, []
         yield from events
+
+
+def _worker_curve(cfg: KvmeshConfig, engine_cfg: EngineConfig) -> CurveKeys | None:
+    """The worker's CURVE keys: a client key always (controller, cache-server, peers),
+    the servers' secret key too when it serves peers or lookups over tcp. Read here,
+    in vLLM's constructor, so a bad key file fails the start naming the key."""
+    serves = (
+        engine_cfg.p2p.enabled
+        or engine_cfg.pd.role != "none"
+        or engine_cfg.lookup_endpoint.startswith("tcp://")
+    )
+    return load_curve(cfg.security, server=serves, client=True)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.common.config import EngineConfig
+from kvmesh.common.transport.curve import CurveKeys
 from kvmesh.services.worker.builder import destroy_engine, get_engine, get_or_create_engine
 from kvmesh.services.worker.engine import KVEngine
 from kvmesh.services.worker.lookup_server import attach_lookup_server
@@ -75,8 +76,10 @@ class WorkerSide:
         block_size: int,
         *,
         events_enabled: bool = False,
+        curve: CurveKeys | None = None,
     ) -> None:
         self.config = engine_config
+        self.curve = curve
         self.instance_id = instance_id
         self.rank = rank
         self.world_size = world_size
@@ -103,6 +106,7 @@ class WorkerSide:
             dict(kv_caches),
             world_size=self.world_size,
             mla_group=mla_group,
+            curve=self.curve,
         )
         if existed:
             self.engine.register_kv_caches(dict(kv_caches))
