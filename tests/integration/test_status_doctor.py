@@ -1,0 +1,219 @@
+"""`kvmesh status`, `kvmesh doctor` and `python -m benchmarks.load`, against real
+processes on loopback (a controller, a lookup-server, a cache-server; an engine built in
+this process registers with the controller). No vLLM.
+
+status: a registered worker is listed with its chunks and L1 use; the cache-server's
+stats show; a service that is not running is shown down (exit 3), within the deadline.
+doctor: a misspelt key, an unwritable disk path and a port held by a stranger each
+fail (exit 1); a good config naming the running services passes (exit 0), the ports
+they hold counted as theirs. load: a short run with few clients has no error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from kvtest.controller import ControllerProcess, build_engine, store, tokens
+from kvtest.service_process import KvmeshService, free_port
+from kvtest.waiting import wait_for
+
+from kvmesh.services.cli.main import cli
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("status")
+    controller = ControllerProcess(tmp, snapshot=False).start()
+    lookup = cache = eng = None
+    try:
+        lookup = KvmeshService(
+            "lookup", tmp, free_port(), {"controller-url": controller.url, "chunk-size": 8}
+        ).start(60)
+        cache = KvmeshService(
+            "cacheserver", tmp, free_port(), {"max-memory": "64MiB", "max-value-size": "1MiB"}
+        ).start(60)
+        eng = build_engine("inst-status", controller.url)
+        keys = store(eng, tokens(32, 5))
+        yield {"controller": controller, "lookup": lookup, "cache": cache, "keys": keys}
+    finally:
+        if eng is not None:
+            eng.close()
+        for p in (cache, lookup, controller):
+            if p is not None:
+                p.stop()
+
+
+def run_cli(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, list(args), catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+def status_json(mesh: dict[str, Any], *extra: str) -> tuple[int, dict[str, Any]]:
+    code, out = run_cli(
+        "status", "--json", "--timeout", "3",
+        "--controller", mesh["controller"].url,
+        "--lookup-url", f"tcp://127.0.0.1:{mesh['lookup'].port}",
+        *extra,
+    )  # fmt: skip
+    return code, json.loads(out)
+
+
+def test_status_lists_the_registered_worker_and_its_chunks(mesh):
+    cache_url = f"tcp://127.0.0.1:{mesh['cache'].port}"
+
+    def listed() -> Any:
+        code, view = status_json(mesh, "--cacheserver-url", cache_url)
+        insts = [i for i in view["instances"] if i["instance_id"] == "inst-status"]
+        return (code, view) if insts and insts[0]["chunks"].get("l1") == 4 else None
+
+    code, view = wait_for(listed, 20, "the worker's 4 L1 chunks in status")
+    assert code == 0 and view["all_up"], view["services"]
+    (w,) = [w for w in view["workers"] if w["instance_id"] == "inst-status"]
+    assert w["rank"] == 0 and w["chunks"] == {"l1": 4}
+    # The health fan-out reached the engine: its L1 holds 4 chunks' bytes.
+    assert w["health"]["l1_chunks"] == 4 and w["health"]["l1_used_bytes"] > 0
+    assert view["instances"][0]["l1_used_bytes"] == w["health"]["l1_used_bytes"]
+    cs = view["services"]["cacheserver"]
+    assert cs["up"] and cs["keys"] == 0 and cs["max_memory"] == 64 << 20
+
+    code, text = run_cli(
+        "status", "--timeout", "3", "--controller", mesh["controller"].url,
+        "--lookup-url", f"tcp://127.0.0.1:{mesh['lookup'].port}", "--cacheserver-url", cache_url,
+    )  # fmt: skip
+    assert code == 0, text
+    assert "inst-status" in text and "L1 CHUNKS" in text and "DOWN" not in text
+
+
+def test_status_shows_a_down_service_as_down_within_the_deadline(mesh):
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    engine = f"eng=http://127.0.0.1:{free_port()}/metrics"
+    code, view = status_json(mesh, "--cacheserver-url", dead, "--metrics", engine)
+    took = time.monotonic() - t0
+    assert code == 3 and not view["all_up"]
+    cs = view["services"]["cacheserver"]
+    assert cs == {"url": dead, "up": False, "error": cs["error"]} and cs["error"]
+    assert view["services"]["controller"]["up"] and view["services"]["lookup"]["up"]
+    assert view["engines"][0]["up"] is False
+    assert took < 10, f"status took {took:.1f}s with a 3s deadline"
+
+    code, text = run_cli("status", "--timeout", "1", "--controller", dead, "--lookup-url", dead,
+                         "--cacheserver-url", dead)  # fmt: skip
+    assert code == 3
+    assert text.count("DOWN") == 3 and "Traceback" not in text
+
+
+# -- doctor -------------------------------------------------------------------------------
+
+
+def doctor(tmp_path: Path, config: dict[str, Any]) -> tuple[int, list[dict[str, str]]]:
+    path = tmp_path / "kvmesh.yaml"
+    path.write_text(yaml.safe_dump(config))
+    code, out = run_cli("doctor", "--config", str(path), "--json", "--timeout", "2")
+    report = json.loads(out)
+    assert report["ok"] == (code == 0)
+    return code, report["checks"]
+
+
+def failures(checks: list[dict[str, str]]) -> list[str]:
+    return [c["why"] for c in checks if c["level"] == "fail"]
+
+
+def off_ports() -> dict[str, Any]:
+    """Free ports for every service: the defaults may be in use on a shared machine."""
+    return {
+        "controller": {"port": free_port()},
+        "lookup": {"port": free_port()},
+        "cacheserver": {"port": free_port()},
+        "bridge": {"port": free_port()},
+    }
+
+
+def good_config(mesh: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
+    disk = tmp_path / "disk"
+    disk.mkdir(exist_ok=True)
+    return {
+        **off_ports(),
+        # The running services' own ports: held, by them.
+        "lookup": {"port": mesh["lookup"].port, "controller_url": mesh["controller"].url},
+        "cacheserver": {"port": mesh["cache"].port},
+        "engine": {
+            "l1": {"max_size": "64MiB", "reserve": "0"},
+            "disk": {"enabled": True, "path": str(disk), "max_size": "16MiB"},
+            "controller": {"enabled": True, "url": mesh["controller"].url},
+            "remote": {"enabled": True, "url": f"kvmesh://127.0.0.1:{mesh['cache'].port}"},
+        },
+    }
+
+
+def test_doctor_passes_a_good_config(mesh, tmp_path):
+    code, checks = doctor(tmp_path, good_config(mesh, tmp_path))
+    assert code == 0, failures(checks)
+    whys = [c["why"] for c in checks if c["level"] == "ok"]
+    assert any(f"lookup.port 127.0.0.1:{mesh['lookup'].port} is held by the running lookup" in w
+               for w in whys), whys  # fmt: skip
+    assert any(w.startswith("engine.controller.url") and "answers" in w for w in whys), whys
+    assert any(w.startswith("engine.remote.url") and "answers" in w for w in whys), whys
+    assert any("exists and is writable" in w for w in whys), whys
+    assert {c["name"] for c in checks} >= {"config", "port", "nixl", "disk", "memory", "reach"}
+
+
+def test_doctor_fails_a_misspelt_key(tmp_path):
+    code, checks = doctor(tmp_path, {"engine": {"l1": {"max_sise": "1GiB"}}})
+    assert code == 1
+    assert any("max_sise" in w for w in failures(checks)), checks
+
+
+def test_doctor_fails_an_unwritable_disk_path(tmp_path):
+    if os.geteuid() == 0:
+        path = "/sys/kernel"  # root writes anywhere chmod allows; not in sysfs
+    else:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        path = str(ro)
+    config = {**off_ports(), "engine": {"disk": {"enabled": True, "path": path}}}
+    code, checks = doctor(tmp_path, config)
+    assert code == 1
+    assert any("not writable" in w and path in w for w in failures(checks)), checks
+
+
+def test_doctor_fails_a_port_held_by_a_stranger(tmp_path):
+    with socket.socket() as stranger:
+        stranger.bind(("127.0.0.1", 0))
+        stranger.listen()
+        port = stranger.getsockname()[1]
+        config = {**off_ports(), "cacheserver": {"port": port}}
+        code, checks = doctor(tmp_path, config)
+    assert code == 1
+    assert any(f"cacheserver.port 127.0.0.1:{port} is taken" in w for w in failures(checks)), checks
+
+
+# -- load -----------------------------------------------------------------------------------
+
+
+def test_load_benchmark_short_run_has_no_error():
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.load", "--seconds", "3", "--clients", "8", "--json"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["errors"] == 0 and result["clients"] == 8
+    for op in ("lookup", "get"):
+        assert result["ops"][op]["ops"] > 0 and result["ops"][op]["p99_ms"] > 0
