@@ -55,7 +55,8 @@ class CurveKeys:
     server_secret: bytes | None = None
     client_public: bytes | None = None
     client_secret: bytes | None = None
-    allowed_clients: str = ""
+    # The public keys found in security.allowed_clients when the process started.
+    allowed: frozenset[bytes] = frozenset()
 
     def server(self, sock: zmq.Socket) -> None:
         """Make sock a CURVE server (before bind); use CurveGuard.serve, which also
@@ -127,14 +128,13 @@ def load_curve(
         found = [n for n in os.listdir(where) if n.endswith(".key")]
         if not found:
             raise _issue("allowed_clients", where, "holds no *.key file: no client could connect")
-        for name in found:
-            _load("allowed_clients", os.path.join(where, name), secret=False)
+        allowed = frozenset(
+            _load("allowed_clients", os.path.join(where, name), secret=False)[0] for name in found
+        )
+    else:
+        allowed = frozenset()
     return CurveKeys(
-        server_public,
-        server_secret if server else None,
-        client_public,
-        client_secret,
-        security.allowed_clients,
+        server_public, server_secret if server else None, client_public, client_secret, allowed
     )
 
 
@@ -168,8 +168,8 @@ class CurveGuard:
         self._sync = zmq.Context.shadow(ctx.underlying)
         self._auth = ThreadAuthenticator(self._sync, log=_quiet_logger())
         self._auth.start()
-        # pyzmq reads the *.key files in its own thread, off the caller's event loop.
-        self._auth.configure_curve(domain="*", location=keys.allowed_clients)
+        # The keys load_curve read at start-up: no file is read here, on an event loop.
+        self._auth.configure_curve_callback(domain="*", credentials_provider=_Allowed(keys))
         self._monitor = threading.Thread(
             target=self._watch, name=f"kvmesh-{service}-curve", daemon=True
         )
@@ -239,6 +239,17 @@ class CurveGuard:
                 self.count(parse_monitor_message(pair.recv_multipart(zmq.NOBLOCK)))
             except zmq.Again:
                 return
+
+
+class _Allowed:
+    """pyzmq's credentials provider: called, in the authenticator's thread, with each
+    connecting client's public key."""
+
+    def __init__(self, keys: CurveKeys) -> None:
+        self._allowed = keys.allowed
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self._allowed
 
 
 def _quiet_logger():

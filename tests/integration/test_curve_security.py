@@ -11,6 +11,7 @@ naming the key and the path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -23,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zmq
 from click.testing import CliRunner
 from kvtest.controller import ControllerProcess
 from kvtest.remote import free_port
@@ -34,7 +36,7 @@ from kvmesh.common.protocol import controller as proto
 from kvmesh.common.transport.cacheserver_client import CacheServerClient
 from kvmesh.common.transport.cacheserver_errors import CacheServerUnavailable
 from kvmesh.common.transport.controller_client import ControllerConnection, ControllerUnavailable
-from kvmesh.common.transport.curve import CurveKeys, load_curve
+from kvmesh.common.transport.curve import CurveKeys, apply_client, load_curve
 from kvmesh.common.transport.lookup_service_client import (
     LookupServiceClient,
     LookupServiceError,
@@ -186,15 +188,13 @@ def _get(port: int, keys: CurveKeys | None) -> object:
     return asyncio.run(main())
 
 
-def _admin(controller_url: str, config: Path | None) -> subprocess.Popen[str]:
-    env = {k: v for k, v in os.environ.items() if k != "KVMESH_CONFIG"}
-    cmd = [sys.executable, "-m", "kvmesh.services.cli.main", "admin", "--url", controller_url]
-    cmd += ["--timeout", str(REFUSED_S)]
+def _admin(controller_url: str, config: Path | None) -> tuple[int, str]:
+    """`kvmesh admin workers` (in this process: the CLI is a client like any other)."""
+    args = ["admin", "--url", controller_url, "--timeout", str(REFUSED_S)]
     if config is not None:
-        cmd += ["--config", str(config)]
-    return subprocess.Popen(
-        [*cmd, "workers"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
+        args += ["--config", str(config)]
+    out = CliRunner().invoke(cli, [*args, "workers"], env={"KVMESH_CONFIG": None})
+    return out.exit_code, out.output
 
 
 def test_keyed_client_is_served_and_others_are_refused_and_counted(mesh) -> None:
@@ -214,27 +214,47 @@ def test_keyed_client_is_served_and_others_are_refused_and_counted(mesh) -> None
         with pytest.raises(CacheServerUnavailable):
             _get(cache.port, keys)
 
+    # The refused clients above may have closed before a busy machine got to their
+    # handshake: two more stay connected (and retrying) until each refusal is counted.
+    ports = {"controller": controller.port, "lookup": lookup.port, "cacheserver": cache.port}
     for service, url in s["metrics"].items():
-        wait_for(
-            lambda url=url, service=service: (
-                (c := refusals(url, service)) and c["no_key"] >= 1 and c["unknown_key"] >= 1 and c
-            ),
-            timeout=5,
-            what=f"{service} refusals counted",
-        )
+        endpoint = f"tcp://127.0.0.1:{ports[service]}"
+        with _knocking(endpoint, None), _knocking(endpoint, m.intruder):
+            wait_for(
+                lambda url=url, service=service: (
+                    (c := refusals(url, service)) and c["no_key"] >= 1 and c["unknown_key"] >= 1
+                ),
+                timeout=10,
+                what=f"{service} refusals counted",
+            )
+
+
+@contextlib.contextmanager
+def _knocking(endpoint: str, keys: CurveKeys | None) -> Iterator[None]:
+    """A client that keeps trying to connect (and send) while the block runs."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    apply_client(sock, keys, endpoint)
+    sock.connect(endpoint)
+    sock.send(b"hello?", zmq.NOBLOCK)
+    try:
+        yield
+    finally:
+        sock.close(0)
+        ctx.term()
 
 
 def test_admin_cli_needs_the_key(mesh) -> None:
     m, s = mesh
     url = s["controller"].url
-    # Side by side: each CLI start costs seconds on a busy machine.
-    ok, *refused = [_admin(url, c) for c in (m.admin_config, None, m.intruder_config)]
-    _, err = ok.communicate(timeout=60)
-    assert ok.returncode == 0, err
-    for proc in refused:
-        out, err = proc.communicate(timeout=60)
-        assert proc.returncode == 3, (out, err)
-        assert "did not answer" in err
+    code, output = _admin(url, m.admin_config)
+    assert code == 0, output
+    for config in (None, m.intruder_config):
+        code, output = _admin(url, config)
+        assert code == 3, output
+        assert "did not answer" in output
 
 
 def test_http_admin_needs_the_token(mesh) -> None:
@@ -345,3 +365,31 @@ def test_worker_p2p_server_needs_the_key(mesh) -> None:
         wait_for(counted, timeout=5, what="worker refusals counted")
     finally:
         engine.close()
+
+
+def test_bridge_transfers_needs_the_token() -> None:
+    """The bridge's /transfers (admin-like: who talks to whom) takes the token; its
+    /metrics and /health stay open."""
+    import aiohttp
+
+    from kvmesh.common.config import BridgeConfig
+    from kvmesh.common.config.schema import DecoderConfig
+    from kvmesh.services.bridge.client import BridgeError, fetch_transfers
+    from kvmesh.services.bridge.server import BridgeServer
+
+    async def main() -> None:
+        cfg = BridgeConfig(port=0, decoders=[DecoderConfig(url="http://127.0.0.1:9")])
+        bridge = BridgeServer(cfg, http_token=TOKEN)
+        await bridge.start()
+        base = f"http://127.0.0.1:{bridge.port}"
+        try:
+            assert await fetch_transfers(base, 5.0, TOKEN) == []
+            for token in ("", "wrong"):
+                with pytest.raises(BridgeError, match="401"):
+                    await fetch_transfers(base, 5.0, token)
+            async with aiohttp.ClientSession() as session, session.get(base + "/metrics") as r:
+                assert r.status == 200
+        finally:
+            await bridge.stop()
+
+    asyncio.run(main())
