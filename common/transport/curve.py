@@ -158,7 +158,7 @@ class CurveGuard:
             counter.inc(0)
         self._auth: ThreadAuthenticator | None = None
         self._monitor: threading.Thread | None = None
-        self._pending: list[tuple[zmq.Socket, str]] = []
+        self._pending: list[zmq.Socket] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         if keys is None:
@@ -201,8 +201,13 @@ class CurveGuard:
         self.keys.server(sock)
         addr = f"inproc://kvmesh-curve-monitor-{os.getpid()}-{next(_monitor_ids)}"
         sock.monitor(addr, REFUSAL_EVENTS)
+        # Connected here, so no event is lost before the thread picks it up; the lock
+        # hands the socket over to that thread (a full barrier, as ZMQ requires).
+        pair = self._sync.socket(zmq.PAIR)
+        pair.linger = 0
+        pair.connect(addr)
         with self._lock:
-            self._pending.append((sock, addr))
+            self._pending.append(pair)
 
     def close(self) -> None:
         """Stop both threads (blocks ~0.1 s); call before the context's term()."""
@@ -221,15 +226,15 @@ class CurveGuard:
             while not self._stop.is_set():
                 with self._lock:
                     pending, self._pending = self._pending, []
-                for _sock, addr in pending:
-                    pair = self._sync.socket(zmq.PAIR)
-                    pair.linger = 0
-                    pair.connect(addr)
+                for pair in pending:
                     poller.register(pair, zmq.POLLIN)
                     pairs.append(pair)
                 for pair, _ in poller.poll(_POLL_MS):
                     self._count(pair)
         finally:
+            with self._lock:
+                pairs += self._pending
+                self._pending = []
             for pair in pairs:
                 pair.close(linger=0)
 
