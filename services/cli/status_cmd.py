@@ -115,6 +115,7 @@ async def timed(what: Callable[[], Awaitable[dict[str, Any]]], timeout_s: float)
 
 async def controller_view(url: str, timeout_s: float, curve: CurveKeys | None) -> dict[str, Any]:
     conn = ControllerConnection(url, timeout_s=timeout_s, client="cli-status", curve=curve)
+    t0 = time.monotonic()
     try:
         await conn.connect()
         listed = await conn.request(proto.ListWorkers(conn.next_rid()), proto.ListWorkersReply)
@@ -127,7 +128,9 @@ async def controller_view(url: str, timeout_s: float, curve: CurveKeys | None) -
                 reply = await conn.request(
                     proto.Health(conn.next_rid(), uuid.uuid4().hex, ""),
                     proto.AdminReply,
-                    timeout_s * 0.8,
+                    # What is left of the deadline, less a margin for the reply's trip:
+                    # past the caller's deadline the worker list would be lost too.
+                    max(0.05, timeout_s * 0.9 - (time.monotonic() - t0)),
                 )
                 health = {r.worker_id: dict(r.detail) for r in reply.results if r.ok}
         for w in workers:
@@ -439,6 +442,8 @@ def status(
                 if watch and sys.stdout.isatty():
                     click.clear()
                 click.echo(render(view))
+                if watch and not sys.stdout.isatty():
+                    click.echo("")  # a log of refreshes: one blank line between them
             if not watch:
                 break
             time.sleep(watch)

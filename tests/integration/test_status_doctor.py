@@ -3,7 +3,8 @@ processes on loopback (a controller, a lookup-server, a cache-server; an engine 
 this process registers with the controller). No vLLM.
 
 status: a registered worker is listed with its chunks and L1 use; the cache-server's
-stats show; a service that is not running is shown down (exit 3), within the deadline.
+stats show; a service that is not running is shown down (exit 3), within the deadline;
+a worker that never answers the health fan-out is still listed, its L1 use unknown.
 doctor: a misspelt key, an unwritable disk path and a port held by a stranger each
 fail (exit 1); a good config naming the running services passes (exit 0), the ports
 they hold counted as theirs. load: a short run with few clients has no error.
@@ -22,11 +23,13 @@ from typing import Any
 
 import pytest
 import yaml
+import zmq
 from click.testing import CliRunner
 from kvtest.controller import ControllerProcess, build_engine, store, tokens
 from kvtest.service_process import KvmeshService, free_port
 from kvtest.waiting import wait_for
 
+from kvmesh.common.protocol import controller as cproto
 from kvmesh.services.cli.main import cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,7 +87,8 @@ def test_status_lists_the_registered_worker_and_its_chunks(mesh):
     assert w["rank"] == 0 and w["chunks"] == {"l1": 4}
     # The health fan-out reached the engine: its L1 holds 4 chunks' bytes.
     assert w["health"]["l1_chunks"] == 4 and w["health"]["l1_used_bytes"] > 0
-    assert view["instances"][0]["l1_used_bytes"] == w["health"]["l1_used_bytes"]
+    (inst,) = [i for i in view["instances"] if i["instance_id"] == "inst-status"]
+    assert inst["ranks"] == [0] and inst["l1_used_bytes"] == w["health"]["l1_used_bytes"]
     cs = view["services"]["cacheserver"]
     assert cs["up"] and cs["keys"] == 0 and cs["max_memory"] == 64 << 20
 
@@ -113,6 +117,36 @@ def test_status_shows_a_down_service_as_down_within_the_deadline(mesh):
                          "--cacheserver-url", dead)  # fmt: skip
     assert code == 3
     assert text.count("DOWN") == 3 and "Traceback" not in text
+
+
+def test_status_lists_a_worker_that_does_not_answer_health_within_the_deadline(mesh):
+    """A registered worker that never answers commands: the health fan-out runs out of
+    time, but the worker list (and the controller being up) still shows."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(mesh["controller"].url)
+    try:
+        for msg in (
+            cproto.Hello(1, cproto.PROTOCOL_VERSION, "mute"),
+            cproto.Register(2, "inst-mute", 0, 1, ["0123456789abcdef"], "", 60.0),
+        ):
+            sock.send(cproto.encode(msg))
+            assert sock.poll(10_000), f"no reply to {msg!r}"
+            reply = cproto.decode_reply(sock.recv())
+        assert isinstance(reply, cproto.RegisterReply), reply
+        t0 = time.monotonic()
+        code, view = status_json(mesh, "--cacheserver-url", f"tcp://127.0.0.1:{mesh['cache'].port}")
+        took = time.monotonic() - t0
+        assert code == 0 and view["services"]["controller"]["up"], view["services"]
+        mute = [w for w in view["workers"] if w["instance_id"] == "inst-mute"]
+        assert len(mute) == 1 and mute[0]["health"] is None
+        (inst,) = [i for i in view["instances"] if i["instance_id"] == "inst-mute"]
+        assert inst["l1_used_bytes"] is None
+        assert took < 10, f"status took {took:.1f}s with a 3s deadline"
+    finally:
+        sock.close(0)
+        ctx.term()
 
 
 # -- doctor -------------------------------------------------------------------------------
