@@ -11,6 +11,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from kvmesh.common.keys import NS_ID_HEX_LEN
 from kvmesh.common.protocol import controller as proto
 from kvmesh.common.protocol.controller import ErrorCode
 from kvmesh.services.controller import move
@@ -20,6 +21,16 @@ from kvmesh.services.controller.registry import Registry, WorkerEntry
 from kvmesh.services.controller.stats import ControllerStats
 
 MAX_ID_CHARS = 256
+# A worker registers one namespace per model/layout it serves: a handful.
+MAX_NAMESPACES = 64
+_HEX = frozenset("0123456789abcdef")
+
+
+def is_namespace_id(ns: str) -> bool:
+    """A KeyNamespace id as the engines write it: NS_ID_HEX_LEN lower-case hex digits."""
+    return len(ns) == NS_ID_HEX_LEN and _HEX.issuperset(ns)
+
+
 SyncHandler = Callable[[bytes, Any], Any]
 AsyncHandler = Callable[[bytes, Any], Awaitable[Any]]
 
@@ -69,6 +80,16 @@ class Handlers:
             return proto.error_reply(msg.rid, ErrorCode.BAD_REQUEST, "instance_id: 1-256 printable")
         if not (0 <= msg.rank < msg.world_size) or msg.heartbeat_s <= 0:
             return proto.error_reply(msg.rid, ErrorCode.BAD_REQUEST, "need 0 <= rank < world_size")
+        # The registry and the lookup-servers' indexes read namespaces as hex ints: one
+        # that is not would fail every later prefix count, not just this worker's.
+        bad = next((ns for ns in msg.namespaces if not is_namespace_id(ns)), None)
+        if bad is not None or len(msg.namespaces) > MAX_NAMESPACES:
+            return proto.error_reply(
+                msg.rid,
+                ErrorCode.BAD_REQUEST,
+                f"namespaces: at most {MAX_NAMESPACES} ids of {NS_ID_HEX_LEN} hex digits"
+                + (f" (got {bad[:40]!r})" if bad is not None else ""),
+            )
         entry = self.registry.register(
             msg.instance_id,
             msg.rank,

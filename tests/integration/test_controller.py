@@ -22,7 +22,7 @@ from kvtest.service_process import KvtestProcess
 from kvtest.waiting import wait_for
 
 from kvmesh.common.protocol import controller as proto
-from kvmesh.common.transport.controller_client import ControllerConnection
+from kvmesh.common.transport.controller_client import ControllerConnection, ControllerError
 
 HEARTBEAT_S = 0.2
 
@@ -165,6 +165,46 @@ def test_sequence_gap_and_lost_events_ask_for_a_resync(controller) -> None:
             listed = await c.request(proto.ListWorkers(c.next_rid()), proto.ListWorkersReply)
             g = next(w for w in listed.workers if w.worker_id == "G/0")
             assert (g.chunks.get("l1"), g.last_seq) == (0, 6)
+            await c.request(proto.Deregister(c.next_rid(), reg.worker_id), proto.DeregisterReply)
+        finally:
+            await c.close()
+
+    asyncio.run(main())
+
+
+def test_register_with_a_namespace_that_is_no_id_is_refused(controller) -> None:
+    ns = "0123456789abcdef"
+    chunk = bytes.fromhex("ab" * 16)
+    key = f"{ns}-{chunk.hex()}"
+
+    async def main() -> None:
+        c = ControllerConnection(controller.url, timeout_s=3.0)
+        await c.connect()
+        try:
+            for bad in (["ns"], ["0123456789ABCDEF"], [ns + "0"], [ns] * 65):
+                with pytest.raises(ControllerError) as refused:
+                    await c.request(
+                        proto.Register(c.next_rid(), "NS", 0, 1, bad, "", 5.0), proto.RegisterReply
+                    )
+                assert refused.value.code == proto.ErrorCode.BAD_REQUEST
+                assert "namespaces" in str(refused.value)
+            # The refusals left nothing behind that breaks prefix counts for others.
+            reg = await c.request(
+                proto.Register(c.next_rid(), "NS", 0, 1, [ns], "", 5.0), proto.RegisterReply
+            )
+            c.send(proto.KVEventBatch(0, reg.worker_id, 1, [(1, key, "l1")]))
+
+            async def counted() -> list:
+                reply = await c.request(
+                    proto.PrefixCounts(c.next_rid(), [chunk]), proto.PrefixCountsReply
+                )
+                return [(i.instance_id, i.chunks) for i in reply.instances]
+
+            for _ in range(50):
+                if ("NS", 1) in await counted():
+                    break
+                await asyncio.sleep(0.05)
+            assert ("NS", 1) in await counted()
             await c.request(proto.Deregister(c.next_rid(), reg.worker_id), proto.DeregisterReply)
         finally:
             await c.close()
