@@ -20,10 +20,11 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from kvmesh.common.chunk_holders import pack_ints
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import controller as proto
 from kvmesh.common.protocol.controller import ErrorCode
-from kvmesh.services.controller.registry import Registry, Run, WorkerEntry, pack_ints
+from kvmesh.services.controller.registry import Registry, Run, WorkerEntry
 from kvmesh.services.controller.stats import ControllerStats
 
 log = get_logger(__name__)

@@ -18,7 +18,6 @@ replaced, and each event batch as runs of chunk ints.
 
 from __future__ import annotations
 
-import sys
 import time
 from array import array
 from dataclasses import dataclass, field
@@ -26,12 +25,16 @@ from typing import Protocol
 
 import msgspec
 
-TIER_BITS = 4
-TIER_INDEX = {"l1": 0, "disk": 1, "remote": 2}
-OTHER_TIER = 3
-_SLOT_MASK = (1 << TIER_BITS) - 1
+from kvmesh.common.chunk_holders import (
+    TIER_BITS,
+    PrefixRow,
+    prefix_counts,
+    slot_bits,
+    tier_bit,
+)
+from kvmesh.common.protocol.controller import CHUNK_INT_MASK
+
 _KEY_LEN = 49  # "<16 hex namespace>-<32 hex hash>"
-_MASK60 = (1 << 60) - 1
 SNAPSHOT_VERSION = 1
 
 
@@ -39,7 +42,7 @@ def chunk_int(key: str) -> int:
     """The registry's int for a chunk key string; ValueError when it is not one."""
     if len(key) != _KEY_LEN or key[16] != "-":
         raise ValueError(f"not a chunk key: {key[:60]!r}")
-    return (int(key[32:], 16) ^ int(key[:16], 16)) & _MASK60
+    return (int(key[32:], 16) ^ int(key[:16], 16)) & CHUNK_INT_MASK
 
 
 @dataclass(slots=True, eq=False)
@@ -61,11 +64,11 @@ class WorkerEntry:
     lookup_endpoint: str = ""
 
     def bit(self, tier: str) -> int:
-        return 1 << (self.slot * TIER_BITS + TIER_INDEX.get(tier, OTHER_TIER))
+        return tier_bit(self.slot, tier)
 
     @property
     def slot_bits(self) -> int:
-        return _SLOT_MASK << (self.slot * TIER_BITS)
+        return slot_bits(self.slot)
 
     def counts(self) -> dict[str, int]:
         return {tier: len(keys) for tier, keys in self.tiers.items()}
@@ -84,22 +87,6 @@ class RegistrySink(Protocol):
     def left(self, worker_id: str) -> None: ...
     def replaced(self, entry: WorkerEntry) -> None: ...
     def events(self, entry: WorkerEntry, runs: list[Run]) -> None: ...
-
-
-def pack_ints(ints: object) -> bytes:
-    """Chunk ints as little-endian uint64s (the snapshot's and the wire's layout)."""
-    arr = array("Q", ints)  # type: ignore[call-overload]
-    if sys.byteorder != "little":
-        arr.byteswap()
-    return arr.tobytes()
-
-
-def unpack_ints(raw: bytes) -> array:
-    arr = array("Q")
-    arr.frombytes(raw)
-    if sys.byteorder != "little":
-        arr.byteswap()
-    return arr
 
 
 class _SnapWorker(msgspec.Struct, array_like=True):
@@ -287,47 +274,16 @@ class Registry:
                 mask |= e.bit("l1")
         return mask
 
-    def prefix_counts(
-        self, hashes: list[bytes], instance_id: str = ""
-    ) -> list[tuple[str, int, int, int, int]]:
+    def prefix_counts(self, hashes: list[bytes], instance_id: str = "") -> list[PrefixRow]:
         """(instance id, world size, ranks registered, chunks, l1 chunks) per instance
         (or just instance_id), most chunks first: the leading run of hashes that every
         rank holds, in any tier and in L1. A rank not registered holds nothing."""
-        tails = [int.from_bytes(h[8:16], "big") for h in hashes]
-        per_instance: dict[str, list[tuple[int, int]]] = {}
-        sizes: dict[str, int] = {}
-        for e in self.workers.values():
-            if instance_id and e.instance_id != instance_id:
-                continue
-            sizes[e.instance_id] = max(sizes.get(e.instance_id, 0), e.world_size)
-            best = (0, 0)
-            for ns in e.namespaces:
-                best = max(best, self._run(tails, int(ns, 16), e.slot_bits, e.bit("l1")))
-            per_instance.setdefault(e.instance_id, []).append(best)
-        out = []
-        for inst, runs in per_instance.items():
-            size = sizes[inst]
-            full = len(runs) >= size
-            chunks = min(r[0] for r in runs) if full else 0
-            l1_chunks = min(r[1] for r in runs) if full else 0
-            out.append((inst, size, len(runs), chunks, l1_chunks))
-        out.sort(key=lambda t: (-t[3], -t[4], t[0]))
-        return out
-
-    def _run(self, tails: list[int], ns: int, any_bits: int, l1_bit: int) -> tuple[int, int]:
-        holders = self.holders
-        n = n_l1 = 0
-        in_l1 = True
-        for tail in tails:
-            m = holders.get((tail ^ ns) & _MASK60, 0)
-            if not m & any_bits:
-                break
-            n += 1
-            if in_l1 and m & l1_bit:
-                n_l1 += 1
-            else:
-                in_l1 = False
-        return n, n_l1
+        workers = (
+            (e.instance_id, e.world_size, e.slot, [int(ns, 16) for ns in e.namespaces])
+            for e in self.workers.values()
+            if not instance_id or e.instance_id == instance_id
+        )
+        return prefix_counts(self.holders, hashes, workers)
 
     def chunks_total(self) -> int:
         return len(self.holders)

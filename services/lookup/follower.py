@@ -35,11 +35,12 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from kvmesh.common.chunk_holders import unpack_ints
 from kvmesh.common.observability import Metrics, get_logger
 from kvmesh.common.protocol import controller as proto
 from kvmesh.common.protocol.controller import ErrorCode
 from kvmesh.common.transport.curve import CurveKeys, apply_client
-from kvmesh.services.lookup.index import ChunkIndex, UnknownWorker, unpack_ints
+from kvmesh.services.lookup.index import ChunkIndex, UnknownWorker
 
 log = get_logger(__name__)
 
@@ -168,6 +169,9 @@ class IndexFollower:
         reason, retry_s = "start", 0.1
         while True:
             self._resync.clear()
+            # Pings queued while the controller was away reach its new life together and
+            # are all refused (NO_HELLO): only the first may start a resync, not each.
+            self._pinged.clear()
             self.stats.resyncs[reason].inc()
             try:
                 await self._subscribe()

@@ -17,17 +17,20 @@ only once swept.
 
 from __future__ import annotations
 
-import sys
 from array import array
 from dataclasses import dataclass
 
+from kvmesh.common.chunk_holders import (
+    SLOT_MASK,
+    TIER_BITS,
+    PrefixRow,
+    prefix_counts,
+    slot_bits,
+    tier_bit,
+    unpack_ints,
+)
 from kvmesh.common.protocol import controller as proto
 
-TIER_BITS = 4
-TIER_INDEX = {"l1": 0, "disk": 1, "remote": 2}
-OTHER_TIER = 3
-_SLOT_MASK = (1 << TIER_BITS) - 1
-_MASK = proto.CHUNK_INT_MASK
 _RETIRED = ""  # a slot whose bits may linger: not reusable until swept
 
 
@@ -42,20 +45,11 @@ class IndexedWorker:
     namespaces: list[int]
 
     def bit(self, tier: str) -> int:
-        return 1 << (self.slot * TIER_BITS + TIER_INDEX.get(tier, OTHER_TIER))
+        return tier_bit(self.slot, tier)
 
     @property
     def slot_bits(self) -> int:
-        return _SLOT_MASK << (self.slot * TIER_BITS)
-
-
-def unpack_ints(raw: bytes) -> array:
-    """The wire's little-endian uint64 chunk ints."""
-    arr = array("Q")
-    arr.frombytes(raw)
-    if sys.byteorder != "little":
-        arr.byteswap()
-    return arr
+        return slot_bits(self.slot)
 
 
 class ChunkIndex:
@@ -142,48 +136,17 @@ class ChunkIndex:
         return len(self.holders)
 
     # -- queries --------------------------------------------------------------------------
-    def prefix_counts(
-        self, hashes: list[bytes], instance_id: str = ""
-    ) -> list[tuple[str, int, int, int, int]]:
+    def prefix_counts(self, hashes: list[bytes], instance_id: str = "") -> list[PrefixRow]:
         """(instance id, world size, ranks known, chunks, l1 chunks) per instance (or just
         instance_id), most chunks first: the leading run of hashes every rank holds in
         any tier, and in L1. An instance missing a rank holds nothing. The controller's
         PrefixCounts, answered here."""
-        tails = [int.from_bytes(h[8:16], "big") for h in hashes]
-        runs: dict[str, list[tuple[int, int]]] = {}
-        sizes: dict[str, int] = {}
-        for w in self.workers.values():
-            inst = w.info.instance_id
-            if instance_id and inst != instance_id:
-                continue
-            sizes[inst] = max(sizes.get(inst, 0), w.info.world_size)
-            best = (0, 0)
-            for ns in w.namespaces:
-                best = max(best, self._run(tails, ns, w.slot_bits, w.bit("l1")))
-            runs.setdefault(inst, []).append(best)
-        out = []
-        for inst, found in runs.items():
-            full = len(found) >= sizes[inst]
-            chunks = min(r[0] for r in found) if full else 0
-            l1_chunks = min(r[1] for r in found) if full else 0
-            out.append((inst, sizes[inst], len(found), chunks, l1_chunks))
-        out.sort(key=lambda t: (-t[3], -t[4], t[0]))
-        return out
-
-    def _run(self, tails: list[int], ns: int, any_bits: int, l1_bit: int) -> tuple[int, int]:
-        holders = self.holders
-        n = n_l1 = 0
-        in_l1 = True
-        for tail in tails:
-            m = holders.get((tail ^ ns) & _MASK, 0)
-            if not m & any_bits:
-                break
-            n += 1
-            if in_l1 and m & l1_bit:
-                n_l1 += 1
-            else:
-                in_l1 = False
-        return n, n_l1
+        workers = (
+            (w.info.instance_id, w.info.world_size, w.slot, w.namespaces)
+            for w in self.workers.values()
+            if not instance_id or w.info.instance_id == instance_id
+        )
+        return prefix_counts(self.holders, hashes, workers)
 
     # -- cleanup --------------------------------------------------------------------------
     def sweep(self, budget: int = 50_000) -> bool:
@@ -197,7 +160,7 @@ class ChunkIndex:
             self._sweep_slots, self._retired = self._retired, []
             keep = 0
             for slot in self._sweep_slots:
-                keep |= _SLOT_MASK << (slot * TIER_BITS)
+                keep |= SLOT_MASK << (slot * TIER_BITS)
             self._sweep_keep = ~keep
             self._sweep_keys, self._sweep_pos = list(self.holders), 0
         keys, pos, keep, holders = self._sweep_keys, self._sweep_pos, self._sweep_keep, self.holders
