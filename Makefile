@@ -26,6 +26,8 @@ bench: install
 	$(VENV)/bin/python -m benchmarks.engine
 	$(VENV)/bin/python -m benchmarks.controller
 	$(VENV)/bin/python -m benchmarks.p2p
+	$(VENV)/bin/python -m benchmarks.pd
+	$(VENV)/bin/python -m benchmarks.load
 	$(VENV)/bin/python -m benchmarks.ttft
 
 clean:

@@ -229,8 +229,9 @@ class Proxy:
             reason = await self._prefill(endpoint, body, transfer, prefiller, decoder, headers)
         elif reason:
             # Without prefillers (or endpoints) in the config, every request is one of
-            # these: not worth a warning each; nor is a decoder that holds the prompt.
-            quiet = ("no_prefiller", "no_kv_endpoints", "decoder_cached")
+            # these: not worth a warning each; nor is a decoder that holds the prompt,
+            # nor a prefiller marked down (backends.py warned once when it went down).
+            quiet = ("no_prefiller", "no_kv_endpoints", "decoder_cached", "prefiller_down")
             log_at = log.debug if reason in quiet else log.warning
             log_at("decoding without a prefill", reason=reason, decoder=decoder.url)
         if reason:
