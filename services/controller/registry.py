@@ -19,7 +19,6 @@ replaced, and each event batch as runs of chunk ints.
 from __future__ import annotations
 
 import time
-from array import array
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -28,9 +27,11 @@ import msgspec
 from kvmesh.common.chunk_holders import (
     TIER_BITS,
     PrefixRow,
+    pack_ints,
     prefix_counts,
     slot_bits,
     tier_bit,
+    unpack_ints,
 )
 from kvmesh.common.protocol.controller import CHUNK_INT_MASK
 
@@ -293,7 +294,7 @@ class Registry:
         """The registry as bytes (msgpack): workers and their chunk ints per tier."""
         workers = []
         for e in self.workers.values():
-            tiers = {t: array("Q", keys).tobytes() for t, keys in e.tiers.items()}
+            tiers = {t: pack_ints(keys) for t, keys in e.tiers.items()}
             workers.append(
                 _SnapWorker(
                     e.worker_id,
@@ -338,9 +339,7 @@ class Registry:
             self._slots[entry.slot] = entry
             self.workers[entry.worker_id] = entry
             for tier, raw in w.tiers.items():
-                ints = array("Q")
-                ints.frombytes(raw)
-                bit, keys = entry.bit(tier), set(ints)
+                bit, keys = entry.bit(tier), set(unpack_ints(raw))
                 entry.tiers[tier] = keys
                 for k in keys:
                     self.holders[k] = self.holders.get(k, 0) | bit
