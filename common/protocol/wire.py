@@ -56,7 +56,9 @@ _raw_decoder = msgspec.msgpack.Decoder()
 def _peek(raw: Buffer) -> list | None:
     try:
         arr = _raw_decoder.decode(raw)
-    except (ValueError, TypeError):  # ValueError: not msgpack, or a str not UTF-8
+    # ValueError: not msgpack, or a str not UTF-8; RecursionError: arrays nested
+    # deeper than msgspec's limit, which the typed decoder refused before reaching.
+    except (ValueError, TypeError, RecursionError):
         return None
     return arr if isinstance(arr, list) else None
 
@@ -111,7 +113,9 @@ class Codec(Generic[Req, Rep, Err]):
         """The request in one frame, validated; MalformedMessage otherwise."""
         try:
             msg = self._requests.decode(raw)
-        except ValueError as exc:  # msgspec's errors, and UnicodeDecodeError for a bad str
+        # msgspec's errors, UnicodeDecodeError for a bad str, RecursionError for nesting
+        # too deep (a field of type Any would reach it)
+        except (ValueError, RecursionError) as exc:
             raise MalformedMessage(self._refused(exc, raw, self.request_tags)) from None
         codes = self.codes
         if self.version is not None:
@@ -144,7 +148,7 @@ class Codec(Generic[Req, Rep, Err]):
         """The reply in one frame; MalformedMessage (with a local ErrorReply) otherwise."""
         try:
             return self._replies.decode(raw)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise MalformedMessage(self._refused(exc, raw, self.reply_tags)) from None
 
     def _refused(self, exc: Exception, raw: Buffer, tags: frozenset[str]) -> Err:
