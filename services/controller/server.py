@@ -17,7 +17,8 @@ run as tasks.
 Housekeeping drops workers silent for `heartbeat_misses` of their heartbeat periods
 and writes the registry snapshot every `snapshot_interval_s` (and on stop); a
 restarted controller loads it first, so lookups are answered from it until the
-workers re-register and send their full state (or are dropped for silence).
+workers re-register and send their full state (or are dropped for silence, given at
+least RESTORED_GRACE_S to come back).
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ SESSION_IDLE_S = 600.0
 MAX_INFLIGHT_TASKS = 256
 MAX_MESSAGE_BYTES = 64 << 20
 FREEZE_S = 1.0
+# A worker restored from the snapshot has to notice the restart and reach us again
+# (its heartbeat request times out, then it retries): a few of its heartbeat periods may
+# be less than that, and dropping it would empty the index until it re-registers.
+RESTORED_GRACE_S = 3.0
 
 
 class ControllerServer:
@@ -113,6 +118,10 @@ class ControllerServer:
         if http_port:
             self.http = AdminHttp(self, cfg.host, self.http_token)
             await self.http.start(http_port)
+        now = time.monotonic()
+        for entry in self.registry.workers.values():
+            if entry.restored:  # silent since now, not since the snapshot was loaded
+                entry.last_seen = now
         self._update_gauges()
         log.info(
             "controller ready",
@@ -228,7 +237,8 @@ class ControllerServer:
         silent = [
             e.worker_id
             for e in self.registry.workers.values()
-            if now - e.last_seen > misses * e.heartbeat_s
+            if now - e.last_seen
+            > max(misses * e.heartbeat_s, RESTORED_GRACE_S if e.restored else 0.0)
         ]
         for worker_id in silent:
             n = self.registry.drop(worker_id)

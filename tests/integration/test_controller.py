@@ -308,7 +308,7 @@ def test_restarted_controller_comes_back_from_snapshot_and_resync(tmp_path: Path
         keys = keys_of(a, tokens(32, 21))
         b = build_engine("RB", srv.url, p2p_endpoint="tcp://127.0.0.1:1008")
         try:
-            wait_for(lambda: "RW/0" not in chunks_of(srv), timeout=3.0, what="RW dropped")
+            wait_for(lambda: "RW/0" not in chunks_of(srv), timeout=8.0, what="RW dropped")
             assert b.peer_locator.locate(keys, 2.0) is None
             assert b.peer_locator.locate(keys_of(b, tokens(32, 22)), 2.0).instance_id == "RA"
         finally:
