@@ -110,22 +110,24 @@ class KVEngine:
         )
         self.events = KVEventBuffer()
         self.loop = LoopThread(name=f"kvmesh-engine-{instance_id}-{rank}")
-        l1 = HostTier(
-            self.pool,
-            policy=config.l1.eviction_policy,
-            alloc_timeout_s=config.l1.alloc_timeout_s,
-            on_evict=self._on_evict,
-        )
         lower: list[Tier] = list(lower_tiers)
         # MLA ranks other than 0 store nothing: they get their KV from rank 0.
         with_disk = config.disk.enabled and not (self.is_mla and rank != 0)
         with_remote = config.remote.enabled and not (self.is_mla and rank != 0)
         with_p2p = config.p2p.enabled
         pd_role = config.pd.role
-        names = [l1.name, *(["p2p"] if with_p2p else []), *(["disk"] if with_disk else [])]
+        names = [HostTier.name, *(["p2p"] if with_p2p else [])]
+        names += ["disk"] if with_disk else []
         names += [t.name for t in lower]
         names += ["remote"] if with_remote else []
         self.stats = EngineStats(instance_id, rank, names)
+        l1 = HostTier(
+            self.pool,
+            policy=config.l1.eviction_policy,
+            alloc_timeout_s=config.l1.alloc_timeout_s,
+            on_evict=self._on_evict,
+            metrics=self.stats.metrics,
+        )
         if with_disk:
             # L3 comes before the tiers passed in (remote ones, slower than a local disk).
             lower.insert(0, self._make_disk_tier())
@@ -422,7 +424,7 @@ class KVEngine:
                     break
                 self.copier.scatter(slot_mapping[start:end], obj.tensor)
                 loaded[start:end] = True
-                self.stats.tokens_hit[source].inc(end - start)
+                self.stats.record_hit(source, end - start)
         finally:
             for obj in objs:
                 obj.ref_down()

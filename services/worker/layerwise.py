@@ -102,7 +102,7 @@ def retrieve_layers(
             if layer < num_layers - 1:
                 yield loaded
         for start, end, _obj, source in usable:
-            engine.stats.tokens_hit[source].inc(end - start)
+            engine.stats.record_hit(source, end - start)
         return loaded
     finally:
         for obj in objs:

@@ -55,7 +55,7 @@ class MLABroadcast:
                 dist.broadcast(buf, src=self._src, group=self._group)
                 engine.copier.scatter(slot_mapping[start:end], buf)
                 loaded[start:end] = True
-                engine.stats.tokens_hit["l1"].inc(end - start)
+                engine.stats.record_hit("l1", end - start)
         finally:
             for obj in objs:
                 obj.ref_down()

@@ -21,6 +21,12 @@ class EngineStats:
         self.latency = {op: latency.labels(op=op) for op in OPS}
         hits = m.counter("tokens_hit_total", "Tokens found in the cache, by tier", ["tier"])
         self.tokens_hit = {t: hits.labels(tier=t) for t in tier_names}
+        chunk_hits = m.counter(
+            "chunk_hits_total", "Chunks loaded into the inference engine, by source tier", ["tier"]
+        )
+        self.chunks_hit = {t: chunk_hits.labels(tier=t) for t in tier_names}
+        for counter in self.chunks_hit.values():
+            counter.inc(0)
         self.tokens_stored = m.counter("tokens_stored_total", "Tokens written to the cache")
         self.chunks_stored = m.counter("chunks_stored_total", "Chunks written to the cache")
         self.stores_skipped = m.counter(
@@ -44,6 +50,11 @@ class EngineStats:
         self.hit_rate = {t: hit_rate.labels(tier=t) for t in tier_names}
         self._lookup_tokens = 0
         self._hit_tokens = dict.fromkeys(tier_names, 0)
+
+    def record_hit(self, tier: str, tokens: int) -> None:
+        """One chunk of tokens loaded from tier."""
+        self.tokens_hit[tier].inc(tokens)
+        self.chunks_hit[tier].inc()
 
     def record_lookup(self, requested: int, hits_by_tier: dict[str, int]) -> None:
         self._lookup_tokens += requested

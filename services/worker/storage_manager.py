@@ -19,6 +19,7 @@ from kvmesh.services.worker.events import KVEventBuffer, KVEventKind
 from kvmesh.services.worker.loop_thread import LoopThread
 from kvmesh.services.worker.tiers.base import Tier
 from kvmesh.services.worker.tiers.host import HostTier
+from kvmesh.services.worker.tiers.misses import MissReason, TierMisses
 
 log = get_logger(__name__)
 
@@ -100,12 +101,14 @@ class StorageManager:
     def get_prefix(self, keys: Sequence[ChunkKey]) -> tuple[list[MemoryObj], list[str]]:
         """Objects for the longest prefix of keys found in any tier (one reference each
         for the caller) and the name of the tier each came from."""
-        objs = self.l1.get_prefix(keys)
+        objs = self._l1_prefix(keys)
         names = [self.l1.name] * len(objs)
         if len(objs) < len(keys) and self.lower:
             try:
                 more = self._loop.run(self._lower_prefix(keys[len(objs) :]), self._io_timeout_s)
             except TimeoutError:
+                # The gets still in flight are cancelled on the loop, which counts each
+                # as a timeout miss of the tier it was waiting on.
                 more = []
             for obj, name in more:
                 objs.append(obj)
@@ -114,7 +117,7 @@ class StorageManager:
 
     async def aget_prefix(self, keys: Sequence[ChunkKey]) -> tuple[list[MemoryObj], list[str]]:
         """`get_prefix` for code already on the engine's event loop."""
-        objs = self.l1.get_prefix(keys)
+        objs = self._l1_prefix(keys)
         names = [self.l1.name] * len(objs)
         if len(objs) < len(keys) and self.lower:
             for obj, name in await self._lower_prefix(keys[len(objs) :]):
@@ -122,8 +125,26 @@ class StorageManager:
                 names.append(name)
         return objs, names
 
+    def _l1_prefix(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
+        """L1's prefix of keys, counting a miss for each later key L1 does not hold
+        (they are all asked of the lower tiers next)."""
+        objs = self.l1.get_prefix(keys)
+        for key in keys[len(objs) :]:
+            reason = self.l1.miss_reason(key)
+            if reason is not None:
+                self.l1.misses.inc(reason)
+        return objs
+
     async def _lower_prefix(self, keys: Sequence[ChunkKey]) -> list[tuple[MemoryObj, str]]:
-        fetched = await asyncio.gather(*(self._aget_lower(k) for k in keys))
+        tasks = [asyncio.ensure_future(self._aget_lower(k)) for k in keys]
+        try:
+            fetched = await asyncio.gather(*tasks)
+        except BaseException:
+            # Cancelled (the caller's deadline): what was fetched, or still lands, goes
+            # back to the allocator instead of leaking its page.
+            for task in tasks:
+                task.add_done_callback(_drop_fetched)
+            raise
         out: list[tuple[MemoryObj, str]] = []
         for i, item in enumerate(fetched):
             if item is None:
@@ -136,12 +157,20 @@ class StorageManager:
         return out
 
     async def _aget_lower(self, key: ChunkKey) -> tuple[MemoryObj, str] | None:
+        """The first lower tier's copy of key. A tier counts its own misses when it
+        answers None; what it cannot count (it raised, or the deadline cancelled the
+        get) is counted here."""
         for tier in self.lower:
             try:
                 async with self._io_slots:
                     obj = await tier.aget(key, self.l1)
+            except asyncio.CancelledError:
+                _count_miss(tier, MissReason.TIMEOUT)
+                raise
             except Exception as exc:
                 log.warning("tier get failed", tier=tier.name, error=repr(exc))
+                timed_out = isinstance(exc, TimeoutError)
+                _count_miss(tier, MissReason.TIMEOUT if timed_out else MissReason.ERROR)
                 continue
             if obj is not None:
                 self._promote(key, obj)
@@ -186,3 +215,17 @@ class StorageManager:
         for tier in self.lower:
             tier.close()
         self.l1.close()
+
+
+def _count_miss(tier: Tier, reason: MissReason) -> None:
+    misses = getattr(tier, "misses", None)  # tiers passed in by tests may have none
+    if isinstance(misses, TierMisses):
+        misses.inc(reason)
+
+
+def _drop_fetched(task: asyncio.Future) -> None:
+    if task.cancelled() or task.exception() is not None:
+        return
+    item = task.result()
+    if item is not None:
+        item[0].ref_down()

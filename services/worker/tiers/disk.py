@@ -76,6 +76,7 @@ from kvmesh.services.worker.tiers.disk_format import (
 from kvmesh.services.worker.tiers.disk_io import header_buffer, read_file, write_file
 from kvmesh.services.worker.tiers.disk_scan import LOCK_FILE, ScannedFile, check_file, list_dir
 from kvmesh.services.worker.tiers.disk_stats import DiskStats
+from kvmesh.services.worker.tiers.misses import MissReason, TierMisses
 
 log = get_logger(__name__)
 
@@ -129,6 +130,7 @@ class DiskTier:
         self.retry_s = retry_s
         self.max_pending_puts = max_pending_puts
         self.stats = DiskStats(metrics)
+        self.misses = TierMisses(self.name, self.stats.metrics)
         self.stats.capacity.set(self.max_size)
         self._policy_name = eviction_policy
         self._policy = make_policy(eviction_policy)
@@ -349,6 +351,7 @@ class DiskTier:
         for key, entry in victims or ():
             if evicted:
                 self.stats.evictions.inc()
+                self.misses.evicted.add(key)
             try:
                 self._exec.submit(Priority.DELETE, self._delete, key, entry)
             except RuntimeError:  # shut down: delete inline
@@ -402,6 +405,7 @@ class DiskTier:
                     self._probing = probe = True
                 entry = _Entry(_State.WRITING, size, tuple(obj.shape), obj.dtype, fmt)
                 self._index[key] = entry
+                self.misses.evicted.discard(key)
                 self._used += size
                 self._pending_puts += 1
         if result:
@@ -547,6 +551,7 @@ class DiskTier:
     def _submit_read(self, key: ChunkKey, allocator: Allocator) -> concurrent.futures.Future | None:
         with self._lock:
             if self._closed:
+                self.misses.inc(MissReason.ERROR)
                 return None
             entry = self._index.get(key)
             if entry is None or entry.state is not _State.READY:
@@ -556,11 +561,13 @@ class DiskTier:
                 self._policy.on_access(key)
         if entry is None:
             self.stats.gets["miss"].inc()
+            self.misses.count_absent(key)
             return None
         try:
             fut = self._exec.submit(Priority.PREFETCH, self._read, key, entry, allocator)
         except RuntimeError:
             self._end_read(entry)
+            self.misses.inc(MissReason.ERROR)
             return None
         fut.add_done_callback(lambda _f: self._end_read(entry))
         return fut
@@ -575,7 +582,8 @@ class DiskTier:
             return None
         try:
             return fut.result()
-        except concurrent.futures.CancelledError:
+        except concurrent.futures.CancelledError:  # the pool shut down before the read
+            self.misses.inc(MissReason.ERROR)
             return None
 
     async def aget(self, key: ChunkKey, allocator: Allocator) -> MemoryObj | None:
@@ -589,7 +597,8 @@ class DiskTier:
             # The read may still finish: its buffer must go back to the allocator.
             fut.add_done_callback(_drop_result)
             raise
-        except concurrent.futures.CancelledError:
+        except concurrent.futures.CancelledError:  # the pool shut down before the read
+            self.misses.inc(MissReason.ERROR)
             return None
 
     def _read(self, key: ChunkKey, entry: _Entry, allocator: Allocator) -> MemoryObj | None:
@@ -597,6 +606,7 @@ class DiskTier:
             return self._read_verified(key, entry, allocator)
         except Exception as exc:  # a failing read is a miss, whatever went wrong
             self.stats.gets["error"].inc()
+            self.misses.inc(MissReason.ERROR)
             log.warning("disk read failed", key=key.to_str(), error=repr(exc))
             return None
 
@@ -610,6 +620,7 @@ class DiskTier:
             obj = None
         if obj is None:
             self.stats.gets["miss"].inc()
+            self.misses.inc(MissReason.ERROR)  # no L1 buffer to read into
             return None
         t0 = time.perf_counter()
         hdr = header_buffer()
@@ -620,12 +631,14 @@ class DiskTier:
             obj.ref_down()
             self.stats.io_errors["read"].inc()
             self.stats.gets["error"].inc()
+            self.misses.inc(MissReason.ERROR)
             self._read_failed(key, entry, exc)
             return None
         try:
             header = self._verify(key, entry, hdr, payload, n)
         except CorruptChunk as exc:
             obj.ref_down()
+            self.misses.inc(MissReason.CHECKSUM)
             self._corrupt(key, entry, str(exc))
             return None
         except BaseException:

@@ -15,8 +15,10 @@ import torch
 
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import HostMemoryPool, MemoryFormat, MemoryObj
+from kvmesh.common.observability import Metrics
 from kvmesh.common.policy import make_policy
 from kvmesh.services.worker.tiers.base import Allocator
+from kvmesh.services.worker.tiers.misses import MissReason, TierMisses
 
 EvictFn = Callable[[ChunkKey, MemoryObj], None]
 
@@ -36,6 +38,7 @@ class HostTier:
         policy: str = "lru",
         alloc_timeout_s: float = 1.0,
         on_evict: EvictFn | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.pool = pool
         self._policy = make_policy(policy)
@@ -44,6 +47,7 @@ class HostTier:
         self._alloc_timeout_s = alloc_timeout_s
         self._on_evict = on_evict
         self.evictions = 0
+        self.misses = TierMisses(self.name, metrics)
 
     # -- allocation ---------------------------------------------------------------
     def allocate(
@@ -84,6 +88,7 @@ class HostTier:
                 self._policy.on_remove(k)
             self.evictions += len(evicted)
         for key, obj in evicted:
+            self.misses.evicted.add(key)
             obj.ref_down()
             if self._on_evict is not None:
                 self._on_evict(key, obj)
@@ -103,6 +108,8 @@ class HostTier:
                 dup = False
         if dup:
             obj.ref_down()
+        else:
+            self.misses.evicted.discard(key)
         return not dup
 
     def submit_put(self, key: ChunkKey, obj: MemoryObj) -> None:
@@ -156,6 +163,13 @@ class HostTier:
 
     async def aget(self, key: ChunkKey, allocator: Allocator | None = None) -> MemoryObj | None:
         return self.get(key)
+
+    def miss_reason(self, key: ChunkKey) -> MissReason | None:
+        """Why a get of key would miss here (evicted, not stored), None if it is held."""
+        with self._lock:
+            if key in self._objs:
+                return None
+        return self.misses.absent(key)
 
     def remove(self, key: ChunkKey, force: bool = False) -> bool:
         """Drop the chunk unless it is pinned (or force)."""

@@ -18,6 +18,7 @@ controller, which learns of them from our KV events.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -32,12 +33,15 @@ from kvmesh.common.transport.channel import Landed, PeerError, TransferChannel
 from kvmesh.services.worker.loop_thread import LoopThread
 from kvmesh.services.worker.peer_locator import PeerLocator
 from kvmesh.services.worker.tiers.base import Allocator
+from kvmesh.services.worker.tiers.misses import MissReason, TierMisses
 from kvmesh.services.worker.tiers.p2p_stats import P2PStats
 
 log = get_logger(__name__)
 
 WHERE_CAPACITY = 1 << 16  # keys whose peer we remember between lookup and retrieve
 _Waiter = tuple[ChunkKey, "asyncio.Future[MemoryObj | None]", Allocator]
+# Why chunks of a read did not arrive, filled in by `fetch` for its caller.
+Reasons = dict[ChunkKey, MissReason]
 
 
 class P2PTier:
@@ -58,6 +62,7 @@ class P2PTier:
         self._locator = locator
         self._own = own_endpoint
         self.stats = P2PStats(metrics)
+        self.misses = TierMisses(self.name, self.stats.metrics)
         self._where: OrderedDict[ChunkKey, str] = OrderedDict()
         self._batches: dict[str, list[_Waiter]] = {}
         self._reads: set[asyncio.Future[None]] = set()
@@ -103,6 +108,7 @@ class P2PTier:
     # -- gets ---------------------------------------------------------------------------
     async def aget(self, key: ChunkKey, allocator: Allocator) -> MemoryObj | None:
         if self._closed:
+            self.misses.inc(MissReason.ERROR)
             return None
         endpoint = self._where.get(key)
         if endpoint is None:
@@ -111,6 +117,7 @@ class P2PTier:
             endpoint, n = await asyncio.to_thread(self._locate, [key])
             if not n:
                 self.stats.gets["no_peer"].inc()
+                self.misses.inc(MissReason.NOT_STORED)
                 return None
         fut: asyncio.Future[MemoryObj | None] = asyncio.get_running_loop().create_future()
         batch = self._batches.get(endpoint)
@@ -131,18 +138,24 @@ class P2PTier:
 
     async def _read_batch(self, endpoint: str, waiters: list[_Waiter]) -> None:
         results: dict[ChunkKey, MemoryObj] = {}
+        reasons: Reasons = {}
+        keys = [key for key, _, _ in waiters]
         t0 = time.perf_counter()
         try:
-            keys = [key for key, _, _ in waiters]
-            results = await self.fetch(endpoint, keys, waiters[0][2], self.config.timeout_s)
+            results = await self.fetch(
+                endpoint, keys, waiters[0][2], self.config.timeout_s, reasons=reasons
+            )
         except PeerError as exc:
             log.info("p2p read failed", peer=endpoint, error=str(exc))
             self.stats.gets["error"].inc(len(waiters))
-            for key, _, _ in waiters:
+            reason = self._peer_error_reason(exc, time.perf_counter() - t0)
+            reasons.update(dict.fromkeys(keys, reason))
+            for key in keys:
                 self._where.pop(key, None)
         except Exception:
             log.exception("p2p read failed", peer=endpoint)
             self.stats.gets["error"].inc(len(waiters))
+            reasons.update(dict.fromkeys(keys, MissReason.ERROR))
         finally:
             self.stats.seconds["read"].observe(time.perf_counter() - t0)
             for key, fut, _ in waiters:
@@ -151,23 +164,41 @@ class P2PTier:
                     if obj is not None:
                         obj.ref_down()
                 else:
+                    if obj is None:
+                        # Named by the controller, not sent by the peer: evicted there.
+                        self.misses.inc(reasons.get(key, MissReason.EVICTED))
                     fut.set_result(obj)
             for obj in results.values():  # duplicates of one key
                 obj.ref_down()
 
+    def _peer_error_reason(self, exc: PeerError, elapsed_s: float) -> MissReason:
+        if elapsed_s >= self.config.timeout_s * 0.95:
+            return MissReason.TIMEOUT
+        if exc.code is not None:  # the peer answered, and said no
+            return MissReason.ERROR
+        return MissReason.REMOTE_DOWN
+
     async def fetch(
-        self, endpoint: str, keys: Sequence[ChunkKey], allocator: Allocator, timeout_s: float
+        self,
+        endpoint: str,
+        keys: Sequence[ChunkKey],
+        allocator: Allocator,
+        timeout_s: float,
+        *,
+        reasons: Reasons | None = None,
     ) -> dict[ChunkKey, MemoryObj]:
         """The chunks of keys the peer at endpoint holds and that pass the checks, one
         reference each for the caller (not inserted anywhere). Raises PeerError. Gets
         and admin copies (services/worker/peer_copy.py) both land chunks through here,
         so no chunk reaches L1 unchecked."""
         landed = await self.channel.read(
-            endpoint, [k.to_str() for k in keys], self._alloc_fn(allocator), timeout_s
+            endpoint, [k.to_str() for k in keys], self._alloc_fn(allocator, reasons), timeout_s
         )
-        return await self._verify(landed, set(keys))
+        return await self._verify(landed, set(keys), reasons)
 
-    def _alloc_fn(self, allocator: Allocator) -> Callable[[ChunkMeta], MemoryObj | None]:
+    def _alloc_fn(
+        self, allocator: Allocator, reasons: Reasons | None = None
+    ) -> Callable[[ChunkMeta], MemoryObj | None]:
         def alloc(meta: ChunkMeta) -> MemoryObj | None:
             try:
                 dtype = dtype_from_name(meta.dtype)
@@ -177,12 +208,14 @@ class P2PTier:
                 obj = None
             if obj is None:
                 self.stats.gets["no_memory"].inc()
+                if reasons is not None:
+                    _note(reasons, meta.key, MissReason.ERROR)
             return obj
 
         return alloc
 
     async def _verify(
-        self, landed: list[Landed], asked: set[ChunkKey]
+        self, landed: list[Landed], asked: set[ChunkKey], reasons: Reasons | None = None
     ) -> dict[ChunkKey, MemoryObj]:
         """The landed chunks whose key was asked and whose bytes match their checksum;
         the rest are dropped (counted as corrupt)."""
@@ -201,6 +234,8 @@ class P2PTier:
                 key = None
             if not ok or key not in asked or key in good:
                 self.stats.gets["corrupt"].inc()
+                if reasons is not None and key in asked and key not in good:
+                    reasons[key] = MissReason.CHECKSUM
                 log.warning("peer chunk failed its check; dropped", key=meta.key)
                 obj.ref_down()
                 continue
@@ -254,3 +289,9 @@ class P2PTier:
                 self._loop.run(self.channel.aclose(), 5.0)
             except Exception as exc:
                 log.warning("p2p channel close failed", error=repr(exc))
+
+
+def _note(reasons: Reasons, key_str: str, reason: MissReason) -> None:
+    # A key that does not parse was never asked for: nothing of ours to explain.
+    with contextlib.suppress(ValueError):
+        reasons[ChunkKey.from_str(key_str)] = reason

@@ -35,8 +35,10 @@ from kvmesh.common.config import RemoteConfig
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import MemoryObj
 from kvmesh.common.observability import Metrics, get_logger
+from kvmesh.common.transport.cacheserver_errors import CacheServerUnavailable
 from kvmesh.services.worker.loop_thread import LoopThread
 from kvmesh.services.worker.tiers.base import Allocator
+from kvmesh.services.worker.tiers.misses import KeyMemory, MissReason, TierMisses
 from kvmesh.services.worker.tiers.remote_codec import (
     available,
     decode_off_loop,
@@ -83,6 +85,10 @@ class RemoteTier:
             )
         self._codec = codec
         self.stats = RemoteStats(metrics)
+        self.misses = TierMisses(self.name, self.stats.metrics)
+        # Keys this worker stored, fetched or saw in the remote: one of them missing
+        # later was evicted there (or deleted by another worker), not never stored.
+        self._held = KeyMemory()
         self.presence = PresenceCache(
             config.presence_max_keys, config.presence_ttl_s, config.absence_ttl_s
         )
@@ -229,6 +235,7 @@ class RemoteTier:
         else:
             self.health.success()
             self.presence.set(key, True)
+            self._held.add(key)
             stats.puts["written"].inc()
             stats.sent.inc(header.stored_nbytes)
             stats.raw_sent.inc(header.nbytes)
@@ -240,11 +247,16 @@ class RemoteTier:
     # -- gets ---------------------------------------------------------------------------
     async def aget(self, key: ChunkKey, allocator: Allocator) -> MemoryObj | None:
         gets = self.stats.gets
-        if self._closed or not self._check_connection():
+        if self._closed:
+            self.misses.inc(MissReason.ERROR)
+            return None
+        if not self._check_connection():
             gets["down"].inc()
+            self.misses.inc(MissReason.REMOTE_DOWN)
             return None
         if self.presence.get(key) is False:
             gets["miss"].inc()
+            self.misses.inc(self._absent(key))
             return None
         self._namespaces.add(key.namespace_id)
         t0 = time.perf_counter()
@@ -261,27 +273,49 @@ class RemoteTier:
                 obj = decode_or_none(key, fetched.header, fetched.payload, allocator)
         except CorruptChunk as exc:
             gets["corrupt"].inc()
+            self.misses.inc(MissReason.CHECKSUM)
             log.warning("remote value failed its checks; dropped", key=key.to_str(), error=str(exc))
             self.presence.set(key, False)
+            self._held.discard(key)  # deleted for being corrupt: not an eviction
             self._drop_remote_copy(key)
             return None
         except Exception as exc:
             gets["error"].inc()
+            self.misses.inc(self._failure_reason(exc, time.perf_counter() - t0))
             self.health.failure(f"get: {exc!r}")
             return None
         self.health.success()
         if fetched is None:
             self.presence.set(key, False)
             gets["miss"].inc()
+            self.misses.inc(self._absent(key))
             return None
         if obj is None:
             gets["no_memory"].inc()
+            self.misses.inc(MissReason.ERROR)
             return None
         self.presence.set(key, True)
+        self._held.add(key)
         gets["hit"].inc()
         self.stats.received.inc(fetched.header.stored_nbytes)
         self.stats.seconds["get"].observe(time.perf_counter() - t0)
         return obj
+
+    def _absent(self, key: ChunkKey) -> MissReason:
+        return MissReason.EVICTED if key in self._held else MissReason.NOT_STORED
+
+    def _failure_reason(self, exc: Exception, elapsed_s: float) -> MissReason:
+        """A failed get's reason. Clients report their own deadline in their own
+        error types (redis-py's TimeoutError, the cache-server client's "no reply
+        within"), so a get that failed at its deadline is a timeout whatever it raised."""
+        names = {c.__name__ for c in type(exc).__mro__}
+        if isinstance(exc, TimeoutError) or elapsed_s >= self.config.timeout_s * 0.95:
+            return MissReason.TIMEOUT
+        if "TimeoutError" in names:
+            return MissReason.TIMEOUT
+        if isinstance(exc, (ConnectionError, CacheServerUnavailable)) or "ConnectionError" in names:
+            return MissReason.REMOTE_DOWN
+        return MissReason.ERROR
 
     def _drop_remote_copy(self, key: ChunkKey) -> None:
         task = asyncio.get_running_loop().create_task(self._delete_quietly([key]))
@@ -342,6 +376,9 @@ class RemoteTier:
         found = await self.connector.exists(keys)
         self.health.success()
         self.presence.update(keys, found)
+        for key, here in zip(keys, found, strict=False):
+            if here:
+                self._held.add(key)
         self._namespaces.update(k.namespace_id for k in keys)
         self.stats.seconds["exists"].observe(time.perf_counter() - t0)
         return found
@@ -349,6 +386,7 @@ class RemoteTier:
     # -- management ---------------------------------------------------------------------
     def remove(self, key: ChunkKey, force: bool = False) -> bool:
         self.presence.discard(key)
+        self._held.discard(key)
         if self._closed or not self._check_connection():
             return False
         try:
@@ -365,6 +403,7 @@ class RemoteTier:
         """Delete every chunk of the namespaces this tier has seen (the remote is shared:
         other namespaces' chunks stay)."""
         self.presence.clear()
+        self._held.clear()
         with self._lock:
             namespaces = sorted(self._namespaces)
         if self._closed or not self._check_connection() or not namespaces:
