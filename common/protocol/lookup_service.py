@@ -14,6 +14,8 @@ connect DEALER sockets to the lookup-server's ROUTER. Every request carries `rid
   `hashes` (16-byte chained chunk hashes) there are no tokens to give the workers:
   the answer comes from the controller's registry (its copy in the lookup-server while
   in sync: `source` "index"), in chunks × `chunk_size`, and nothing is pinned.
+  `tenant` salts the workers' keys, so it needs `tokens`: a tenant's lookup by hashes
+  is refused (BAD_MESSAGE), the registry knowing no tenant's chunks.
   `l1_tokens` is the part of the prefix every rank holds in L1
   (registry view; -1 when the controller did not answer).
 - `Release(instance_id, lookup_id)`: drop the pins of a lookup on every rank.
@@ -155,6 +157,10 @@ def _check(msg: Request) -> tuple[ErrorCode, str] | None:
             return ErrorCode.BAD_MESSAGE, f"ids must have at most {MAX_ID_CHARS} characters"
         if msg.pin and msg.tokens and not msg.lookup_id:
             return ErrorCode.BAD_MESSAGE, "pin needs a lookup_id"
+        if msg.tenant and not msg.tokens:
+            # The registry holds the engines' own namespaces only: answering from it
+            # would hand this tenant the hits of requests without a tenant.
+            return ErrorCode.BAD_MESSAGE, "a tenant's lookup needs tokens, not hashes"
     if isinstance(msg, Lookup | BestInstances):
         if msg.tokens and msg.hashes:
             return ErrorCode.BAD_MESSAGE, "give tokens or hashes, not both"

@@ -496,14 +496,18 @@ class KVEngine:
         return chunks[len(objs) - 1][1] if objs else 0
 
     # -- management -------------------------------------------------------------------
-    def clear(self, tokens: Tokens | None = None, tier: str | None = None) -> int:
-        """Remove chunks (all, or those of tokens) from every tier or one; pinned
-        chunks stay. Returns how many chunk copies were removed."""
+    def clear(
+        self, tokens: Tokens | None = None, tier: str | None = None, *, tenant: str = ""
+    ) -> int:
+        """Remove chunks (all, or those of tokens: of tenant's keys) from every tier or
+        one; pinned chunks stay. Returns how many chunk copies were removed."""
         self._check_open()
         if tokens is None:
             n = self.storage.clear(tier)
         else:
-            n = sum(self.storage.remove(key, tier) for _, _, key in self.chunks(tokens))
+            n = sum(
+                self.storage.remove(key, tier) for _, _, key in self.chunks(tokens, tenant=tenant)
+            )
         self.stats.l1_used.set(self.pool.used_bytes)
         self.stats.l1_chunks.set(len(self.storage.l1))
         return n
