@@ -235,13 +235,21 @@ class CacheServer:
                 f"server speaks protocol version {proto.PROTOCOL_VERSION}, client {msg.version}",
             )
         limit = self.config.max_connections
-        if peer not in self.sessions and (
-            len(self.sessions) >= limit or self.zmq_connections > limit
-        ):
-            self.stats.errors[ErrorCode.TOO_MANY_CONNECTIONS].inc()
-            return self._error(
-                msg, ErrorCode.TOO_MANY_CONNECTIONS, f"at the limit of {limit} connections"
-            )
+        if peer not in self.sessions:
+            self._on_monitor()  # count the connection this hello came on
+            if self.zmq_connections > limit:
+                self.stats.errors[ErrorCode.TOO_MANY_CONNECTIONS].inc()
+                return self._error(
+                    msg, ErrorCode.TOO_MANY_CONNECTIONS, f"at the limit of {limit} connections"
+                )
+            if len(self.sessions) >= limit:
+                # Open connections are under the limit, so sessions of closed ones fill
+                # the table (ZMQ names no disconnected peer): without this, `limit`
+                # short-lived clients locked everyone out for session_idle_s. The
+                # least recently seen goes; if its client is still there, it gets
+                # NO_HELLO (retryable) and says hello again.
+                oldest = min(self.sessions, key=lambda p: self.sessions[p].last_seen)
+                del self.sessions[oldest]
         self.sessions[peer] = _Session(msg.client[:100], now)
         self.stats.sessions.set(len(self.sessions))
         return proto.HelloReply(

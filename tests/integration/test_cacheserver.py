@@ -249,6 +249,43 @@ def test_connection_limit_and_spill(tmp_path: Path) -> None:
         assert srv.stop() == 0
 
 
+def test_clients_that_came_and_went_do_not_use_up_the_connection_limit(
+    tmp_path: Path,
+) -> None:
+    """Sessions outlive their connections (ZMQ names no disconnected peer): more
+    short-lived clients than max_connections must not lock out the next one for
+    session_idle_s. Found by tests/fuzz."""
+    srv = CacheServerProcess(tmp_path)
+    os.environ["KVMESH_CACHESERVER__MAX_CONNECTIONS"] = "2"
+    try:
+        srv.start()
+    finally:
+        del os.environ["KVMESH_CACHESERVER__MAX_CONNECTIONS"]
+
+    async def main() -> None:
+        for i in range(5):
+            client = await connected(srv)
+            await client.put(f"came-{i}", b"v")
+            await client.close()
+        # The server hears of the closed connections a moment later: a refusal until
+        # then is right, one for session_idle_s (600 s) is not.
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client = await connected(srv)
+                break
+            except ServerBusyError:
+                assert time.monotonic() < deadline, "still refused 10 s after the others left"
+                await asyncio.sleep(0.1)
+        assert (await client.get("came-4")) is not None
+        await client.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        assert srv.stop() == 0
+
+
 def test_sigterm_stops_it_cleanly(tmp_path: Path) -> None:
     srv = CacheServerProcess(tmp_path).start()
     t0 = time.monotonic()
