@@ -62,6 +62,13 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
     || { log "nixl-cu13 did not install (see the pip output above)"; exit 1; }
   touch "$stamp"
 fi
+# The tests' plugin package (tests/plugins/example_plugin): a tier and a connector that
+# kvmesh finds through entry points, as it would a third party's (tests/integration/
+# test_plugins.py). Editable, so its entry points follow the source.
+if ! "$VENV/bin/python" -c "import kvmesh_example_plugin" 2>/dev/null; then
+  log "installing the tests' plugin package"
+  "${PIP[@]}" install --no-deps --no-build-isolation -e tests/plugins/example_plugin
+fi
 # LMCache 0.5.6, for the lm:// compatibility tests (tests/integration/test_cacheserver_lm.py
 # runs its real client). A venv of its own: it pins numpy, transformers and others to
 # versions vLLM does not want, and it never replaces torch in .venv. ~95 s and ~1.9 GB.

@@ -32,6 +32,7 @@ from kvmesh.common.config.schema import (
     PDConfig,
     RemoteConfig,
     RuleError,
+    TierPluginConfig,
 )
 from kvmesh.common.config.sizes import ByteSize, format_size, parse_size
 
@@ -55,6 +56,7 @@ __all__ = [
     "RemoteConfig",
     "RuleError",
     "Source",
+    "TierPluginConfig",
     "config_from_dict",
     "config_to_dict",
     "dec_hook",

@@ -8,7 +8,7 @@ docs/configuration.md describes every key; keep the two in step.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -106,10 +106,14 @@ NonNegativeSeconds = Annotated[float, msgspec.Meta(ge=0)]
 class RemoteConfig(_Section):
     """The shared remote tier (L4), chosen by URL: `kvmesh://host:port` (the
     cache-server), `redis://`, `rediss://`, `redis-cluster://host:port[,host:port...]`,
-    `fs:///path` (a shared filesystem). See docs/configuration.md."""
+    `fs:///path` (a shared filesystem), or a connector plugin. See docs/configuration.md."""
 
     enabled: bool = False
     url: str = ""
+    # A connector plugin: an entry point of the `kvmesh.connectors` group or
+    # `package.module:factory`. Empty: the URL's scheme picks a built-in connector, or
+    # an installed plugin whose entry point is named after the scheme.
+    connector: str = ""
     timeout_s: PositiveSeconds = 1.0
     lookup_timeout_s: PositiveSeconds = 0.05
     health_interval_s: PositiveSeconds = 1.0
@@ -126,6 +130,8 @@ class RemoteConfig(_Section):
         if not self.enabled:
             return
         scheme, sep, rest = self.url.partition("://")
+        if self.connector or (sep and scheme.lower() not in REMOTE_SCHEMES):
+            return  # a plugin's URL: its connector checks it when the engine starts
         if not sep or scheme.lower() not in REMOTE_SCHEMES:
             raise RuleError(
                 "url",
@@ -186,6 +192,28 @@ class PDConfig(_Section):
     hold_s: PositiveSeconds = 120.0
 
 
+BUILTIN_TIER_NAMES = ("l1", "p2p", "disk", "remote")
+
+
+class TierPluginConfig(_Section):
+    """A tier from another package, placed after the disk tier and before the remote one."""
+
+    # An entry point of the `kvmesh.tiers` group, or `package.module:factory`.
+    plugin: str
+    # The tier's name in metrics and lookups; empty: the plugin's name.
+    name: str = ""
+    # Handed to the plugin's factory as they are.
+    options: dict[str, Any] = {}
+
+    def __post_init__(self) -> None:
+        if not self.plugin.strip():
+            raise RuleError("plugin", "must name an entry point or package.module:factory")
+
+    @property
+    def tier_name(self) -> str:
+        return self.name or self.plugin.rpartition(":")[2].rpartition(".")[2]
+
+
 class EngineConfig(_Section):
     """The worker engine embedded in each inference worker process."""
 
@@ -200,6 +228,8 @@ class EngineConfig(_Section):
     controller: EngineControllerConfig = EngineControllerConfig()
     p2p: P2PConfig = P2PConfig()
     pd: PDConfig = PDConfig()
+    # Plugin tiers, in lookup order (docs/plugins.md).
+    tiers: list[TierPluginConfig] = []
     pin_timeout_s: PositiveSeconds = 30.0
     close_flush_s: NonNegativeSeconds = 10.0
     layerwise: bool = False
@@ -210,6 +240,16 @@ class EngineConfig(_Section):
     # Where the metrics port listens: loopback by default; 0.0.0.0 in a container or a
     # pod, whose scraper is on another host.
     metrics_host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        names = [t.tier_name for t in self.tiers]
+        for name in names:
+            if name in BUILTIN_TIER_NAMES or names.count(name) > 1:
+                raise RuleError(
+                    "tiers",
+                    f"tier name {name!r} is taken (by a built-in tier or another plugin): "
+                    "give the plugin a `name`",
+                )
 
     @property
     def keys_partial_chunk(self) -> bool:
@@ -236,6 +276,23 @@ class ControllerConfig(_Section):
     index_subscriber_timeout_s: PositiveSeconds = 10.0
     # More subscribers than this are refused (each costs an encode per registry change).
     max_index_subscribers: PositiveInt = 16
+    # The KV-event feed (docs/operations.md, "KV events"): an XPUB socket publishing
+    # every worker's stored/removed chunks per namespace; 0 = off.
+    events_port: Port = 0
+    # The feed's replay socket (a ROUTER answering "the messages after seq N"); 0 = off.
+    # Needs events_port.
+    events_replay_port: Port = 0
+    # Events kept for replay (the newest; a message costs its event count).
+    events_replay_size: PositiveInt = 100_000
+
+    def __post_init__(self) -> None:
+        # A replay of a feed that is not published would always be empty.
+        if self.events_replay_port and not self.events_port:
+            raise RuleError(
+                "events_replay_port",
+                "needs events_port (the feed it replays) to be set",
+                related=("events_port",),
+            )
 
 
 class LookupConfig(_Section):

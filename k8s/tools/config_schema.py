@@ -51,6 +51,9 @@ def _type(t: Any, defs: dict[str, Any]) -> dict[str, Any]:
                 "additionalProperties": False,
                 "properties": {f.encode_name: _type(f.type, defs) for f in t.fields},
             }
+            required = [f.encode_name for f in t.fields if f.required]
+            if required:
+                defs[name]["required"] = required
             doc = (t.cls.__doc__ or "").strip().split("\n\n")[0]
             if doc:
                 defs[name]["description"] = " ".join(doc.split())
@@ -67,6 +70,10 @@ def _type(t: Any, defs: dict[str, Any]) -> dict[str, Any]:
         return {"type": "string", "enum": sorted(t.values)}
     if isinstance(t, mi.ListType):
         return {"type": "array", "items": _type(t.item_type, defs)}
+    if isinstance(t, mi.DictType):
+        return {"type": "object", "additionalProperties": _type(t.value_type, defs)}
+    if isinstance(t, mi.AnyType):
+        return {}
     if isinstance(t, mi.CustomType) and t.cls is ByteSize:
         return {
             "description": "a size: a byte count, or a number with a unit (5GiB, 512MB)",

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import torch
 
-from kvmesh.common.config import EngineConfig
+from kvmesh.common.config import EngineConfig, TierPluginConfig
 from kvmesh.common.keys import ChunkKey, KeyNamespace
 from kvmesh.common.memory import HostMemoryPool, MemoryFormat, MemoryObj
 from kvmesh.common.observability import get_logger, serve_metrics
+from kvmesh.common.plugins import PluginError
 from kvmesh.common.tokendb import ChunkedTokenDatabase
 from kvmesh.common.transport.channel import TransferChannel, make_channel
 from kvmesh.common.transport.curve import CurveKeys
@@ -42,6 +43,7 @@ from kvmesh.services.worker.tiers.base import Tier
 from kvmesh.services.worker.tiers.disk import DiskTier
 from kvmesh.services.worker.tiers.host import AllocationError, HostTier
 from kvmesh.services.worker.tiers.p2p import P2PTier
+from kvmesh.services.worker.tiers.plugin import TierContext, make_plugin_tier
 from kvmesh.services.worker.tiers.remote import RemoteTier
 from kvmesh.services.worker.tiers.remote_connector import make_connector
 
@@ -119,6 +121,8 @@ class KVEngine:
         names = [HostTier.name, *(["p2p"] if with_p2p else [])]
         names += ["disk"] if with_disk else []
         names += [t.name for t in lower]
+        plugin_tiers = config.tiers if not (self.is_mla and rank != 0) else []
+        names += [t.tier_name for t in plugin_tiers]
         names += ["remote"] if with_remote else []
         self.stats = EngineStats(instance_id, rank, names)
         l1 = HostTier(
@@ -131,9 +135,18 @@ class KVEngine:
         if with_disk:
             # L3 comes before the tiers passed in (remote ones, slower than a local disk).
             lower.insert(0, self._make_disk_tier())
-        if with_remote:
-            # L4, the slowest: after the local disk and any tiers passed in.
-            lower.append(self._make_remote_tier())
+        try:
+            # Plugin tiers: after the disk, before the remote tier, in config order.
+            lower += [self._make_plugin_tier(t) for t in plugin_tiers]
+            if with_remote:
+                # L4, the slowest: after the local disk and any tiers passed in.
+                lower.append(self._make_remote_tier())
+        except PluginError:
+            # A startup error, not a half-built engine: nothing may keep running.
+            for tier in lower:
+                tier.close()
+            self.loop.stop()
+            raise
         channel = self._make_channel() if with_p2p or pd_role != "none" else None
         if with_p2p:
             assert channel is not None
@@ -195,12 +208,31 @@ class KVEngine:
             metrics=self.stats.metrics,
         )
 
+    def _make_plugin_tier(self, cfg: TierPluginConfig) -> Tier:
+        context = TierContext(
+            name=cfg.tier_name,
+            instance_id=self.instance_id,
+            rank=self.rank,
+            namespace_id=self.namespace.ns_id,
+            chunk_bytes=self.pool.page_size,
+            loop=self.loop,
+            metrics=self.stats.metrics,
+            options=cfg.options,
+        )
+        tier = make_plugin_tier(cfg, context)
+        log.info("plugin tier loaded", tier=tier.name, plugin=cfg.plugin)
+        return tier
+
     def _make_remote_tier(self) -> RemoteTier:
         """The L4 tier on the engine's loop, chosen by `remote.url`; it closes (on the
         loop) before the loop stops."""
         cfg = self.config.remote
         connector = make_connector(
-            cfg.url, key_prefix=cfg.key_prefix, timeout_s=cfg.timeout_s, curve=self.curve
+            cfg.url,
+            key_prefix=cfg.key_prefix,
+            timeout_s=cfg.timeout_s,
+            curve=self.curve,
+            connector=cfg.connector,
         )
         tier = RemoteTier(connector, self.loop, cfg, metrics=self.stats.metrics)
         self.add_close_hook(tier.close)

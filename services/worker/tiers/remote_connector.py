@@ -6,6 +6,14 @@
 | `redis://[user:pass@]host:port[/db]`, `rediss://...` | one Redis, plain or TLS (remote_redis.py) |
 | `redis-cluster://[user:pass@]host:port[,host:port...]` | a Redis Cluster (remote_redis.py) |
 | `fs:///path` | a shared filesystem, disk-tier file format (remote_fs.py) |
+| any other `scheme://...` | the `kvmesh.connectors` plugin named `scheme` |
+
+`remote.connector` names a plugin outright (an entry point, or `package.module:factory`)
+whatever the scheme. A connector plugin's factory is called as
+`factory(url, key_prefix=..., timeout_s=...)` and returns a Connector: it stores the
+packed header and the payload it is given, and `get` answers them back as a Fetched (the
+header as given, or parsed back from the packed bytes; the tier verifies the checksum,
+so a store that corrupts a value yields a miss, never wrong KV).
 
 A connector's coroutines run on the engine's event loop; the tier applies deadlines
 around them and treats any exception as a failed request (a miss).
@@ -20,6 +28,7 @@ from urllib.parse import urlsplit
 
 from kvmesh.common.chunk_codec import ChunkHeader
 from kvmesh.common.keys import ChunkKey
+from kvmesh.common.plugins import CONNECTORS_GROUP, PluginError, build, installed
 
 if TYPE_CHECKING:
     from kvmesh.common.transport.curve import CurveKeys
@@ -84,11 +93,19 @@ def redact(url: str) -> str:
 
 
 def make_connector(
-    url: str, *, key_prefix: str = "kvmesh:", timeout_s: float = 1.0, curve: CurveKeys | None = None
+    url: str,
+    *,
+    key_prefix: str = "kvmesh:",
+    timeout_s: float = 1.0,
+    curve: CurveKeys | None = None,
+    connector: str = "",
 ) -> Connector:
-    """The connector for url (ValueError for an unknown scheme or a malformed URL);
-    curve: the CurveKeys a kvmesh:// connection uses (None: plain)."""
+    """The connector for url (ValueError for an unknown scheme or a malformed URL,
+    PluginError for a plugin that fails); curve: the CurveKeys a kvmesh:// connection
+    uses (None: plain); connector: a plugin that overrides the scheme."""
     scheme = url.partition("://")[0].lower()
+    if connector or (scheme not in SCHEMES and scheme in installed(CONNECTORS_GROUP)):
+        return _plugin_connector(connector or scheme, url, key_prefix, timeout_s)
     if scheme == "kvmesh":
         from kvmesh.services.worker.tiers.remote_kvmesh import KvmeshConnector
 
@@ -102,6 +119,23 @@ def make_connector(
 
         return FsConnector(url)
     raise ValueError(f"unknown remote URL scheme {scheme!r} in {redact(url)!r}; use {SCHEMES}")
+
+
+_CONNECTOR_MEMBERS = (
+    "scheme", "compresses", "display", "reconnect", "ping", "put", "get", "exists", "delete",
+    "clear", "connected", "close",
+)  # fmt: skip
+
+
+def _plugin_connector(spec: str, url: str, key_prefix: str, timeout_s: float) -> Connector:
+    conn = build(CONNECTORS_GROUP, spec, url, key_prefix=key_prefix, timeout_s=timeout_s)
+    missing = [m for m in _CONNECTOR_MEMBERS if not hasattr(conn, m)]
+    if missing:
+        raise PluginError(
+            f"{CONNECTORS_GROUP} plugin {spec!r} returned a {type(conn).__name__} without "
+            f"{', '.join(missing)}: not a Connector"
+        )
+    return conn
 
 
 def host_ports(netloc: str, default_port: int) -> list[tuple[str, int]]:

@@ -431,3 +431,38 @@ def test_disk_rules_name_the_key_to_change(tmp_path: Path) -> None:
 def test_disk_impossible_values(key: str, value: object, words: str) -> None:
     err = load_error(overrides={key: value})
     assert err.key == key and words in str(err)
+
+
+def test_plugin_tiers_and_connectors_in_the_engine_config() -> None:
+    cfg = config_from_dict(
+        {
+            "engine": {
+                "tiers": [
+                    {"plugin": "memdict", "options": {"max_chunks": 8}},
+                    {"plugin": "pkg.mod:make_tier"},
+                    {"plugin": "pkg.other:make_tier", "name": "fast"},
+                ],
+                "remote": {"enabled": True, "url": "s3c://bucket/x"},
+            }
+        }
+    )
+    assert [t.tier_name for t in cfg.engine.tiers] == ["memdict", "make_tier", "fast"]
+    assert cfg.engine.tiers[0].options == {"max_chunks": 8}
+    assert cfg.engine.remote.url == "s3c://bucket/x" and cfg.engine.remote.connector == ""
+
+
+@pytest.mark.parametrize(
+    "engine,message",
+    [
+        ({"tiers": [{"plugin": "x:disk"}]}, "engine.tiers: tier name 'disk' is taken"),
+        ({"tiers": [{"plugin": "a:t"}, {"plugin": "b:t"}]}, "tier name 't' is taken"),
+        ({"tiers": [{"plugin": " "}]}, "engine.tiers[0].plugin: must name an entry point"),
+        ({"tiers": [{"name": "x"}]}, "plugin"),
+        ({"tiers": [{"plugin": "m", "optons": {}}]}, "engine.tiers[0].optons: unknown key"),
+        ({"remote": {"enabled": True, "url": "no-scheme"}}, "engine.remote.url: must be a URL"),
+    ],
+)
+def test_plugin_config_errors_name_the_key(engine: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"engine": engine})
+    assert message in str(err.value)

@@ -1,0 +1,83 @@
+"""Loading tiers and remote connectors that other installed packages provide.
+
+A plugin is named either by an entry point of its group (`kvmesh.tiers`,
+`kvmesh.connectors`), as an installed package declares it in its metadata, or by a
+module path, `package.module:attribute`, for code on the Python path that is not a
+package of its own. Either way it resolves to a factory; what the factory is given and
+must return is the group's contract (services/worker/tiers/plugin.py for tiers,
+remote_connector.py for connectors).
+
+Every failure (no such entry point, an import error inside the plugin, a missing
+attribute, a factory that raises or returns the wrong thing) is a PluginError naming the
+plugin and its group, so a misconfigured engine stops at startup with a message that
+says which plugin to fix, rather than later with a bare ImportError.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any
+
+TIERS_GROUP = "kvmesh.tiers"
+CONNECTORS_GROUP = "kvmesh.connectors"
+
+_MODULE_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+
+
+class PluginError(RuntimeError):
+    """A plugin could not be loaded or built; the message names it."""
+
+
+def installed(group: str) -> dict[str, EntryPoint]:
+    """The entry points of group, by name (nothing is imported)."""
+    return {ep.name: ep for ep in entry_points(group=group)}
+
+
+def is_module_path(spec: str) -> bool:
+    return _MODULE_PATH.fullmatch(spec) is not None
+
+
+def load_factory(group: str, spec: str) -> Callable[..., Any]:
+    """The callable that spec names: an entry point of group, or `module:attr`."""
+    if is_module_path(spec):
+        module_name, _, attr = spec.partition(":")
+        try:
+            obj: Any = importlib.import_module(module_name)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+        except Exception as exc:
+            raise PluginError(
+                f"{group} plugin {spec!r} did not load: {type(exc).__name__}: {exc}"
+            ) from exc
+    else:
+        found = installed(group)
+        if spec not in found:
+            known = ", ".join(sorted(found)) or "none installed"
+            raise PluginError(
+                f"no {group} plugin named {spec!r} (installed: {known}); name an entry point "
+                "or a module path as package.module:factory"
+            )
+        try:
+            obj = found[spec].load()
+        except Exception as exc:
+            raise PluginError(
+                f"{group} plugin {spec!r} ({found[spec].value}) did not load: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+    if not callable(obj):
+        raise PluginError(f"{group} plugin {spec!r} is a {type(obj).__name__}, not a factory")
+    return obj
+
+
+def build(group: str, spec: str, *args: Any, **kwargs: Any) -> Any:
+    """Call spec's factory; whatever it raises becomes a PluginError naming it."""
+    factory = load_factory(group, spec)
+    try:
+        return factory(*args, **kwargs)
+    except Exception as exc:
+        raise PluginError(
+            f"{group} plugin {spec!r} failed to start: {type(exc).__name__}: {exc}"
+        ) from exc

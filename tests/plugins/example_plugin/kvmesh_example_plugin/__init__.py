@@ -1,0 +1,1 @@
+"""kvmesh's example plugin: an in-memory tier (`memdict`) and connector (`memkv://`)."""
