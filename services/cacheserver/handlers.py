@@ -152,10 +152,11 @@ class Handlers:
         return proto.PutValuesReply(msg.rid, errors), []
 
     # -- reading ------------------------------------------------------------------------
-    def _counted(self, entry: Entry | None) -> Entry | None:
-        self.store.count(entry is not None)
+    def _counted(self, key: str, entry: Entry | None, reason: str = "") -> Entry | None:
+        reason = self.store.count(entry is not None, key, reason)
         if entry is None:
             self.stats.misses.inc()
+            self.stats.miss_reasons[reason].inc()
         else:
             self.stats.hits.inc()
             self.stats.bytes_out.inc(entry.nbytes)
@@ -165,13 +166,15 @@ class Handlers:
         """From memory, or from the spill within the request deadline (else a miss)."""
         store = self.store
         entry = store.get_memory(key)
+        reason = ""
         if entry is None and store.needs_disk(key):
             try:
                 async with asyncio.timeout(self.request_timeout_s):
                     entry = await store.read_spilled(key)
             except TimeoutError:
                 log.warning("spill read passed its deadline; answered as a miss")
-        return self._counted(entry)
+                reason = "timeout"
+        return self._counted(key, entry, reason)
 
     @staticmethod
     def _get_reply(rid: int, entry: Entry | None) -> Result:
@@ -192,7 +195,7 @@ class Handlers:
     def get(self, msg: proto.GetValue, frames: list[Any]) -> Result:
         """From memory only (what does not suspend); see aget."""
         _check_key(msg.key)
-        return self._get_reply(msg.rid, self._counted(self.store.get_memory(msg.key)))
+        return self._get_reply(msg.rid, self._counted(msg.key, self.store.get_memory(msg.key)))
 
     async def aget(self, msg: proto.GetValue, frames: list[Any]) -> Result:
         _check_key(msg.key)
@@ -201,7 +204,7 @@ class Handlers:
     def get_many(self, msg: proto.GetValues, frames: list[Any]) -> Result:
         _check_batch(msg.keys)
         get = self.store.get_memory
-        return self._get_many_reply(msg.rid, [self._counted(get(k)) for k in msg.keys])
+        return self._get_many_reply(msg.rid, [self._counted(k, get(k)) for k in msg.keys])
 
     async def aget_many(self, msg: proto.GetValues, frames: list[Any]) -> Result:
         _check_batch(msg.keys)

@@ -159,16 +159,20 @@ class LmListener:
 
     async def _get(self, key: str):
         store = self.store
-        if store.needs_disk(key):
+        entry = store.get_memory(key)
+        reason = ""
+        if entry is None and store.needs_disk(key):
             try:
                 async with asyncio.timeout(self.config.request_timeout_s):
-                    entry = await store.get(key)
+                    entry = await store.read_spilled(key)
             except TimeoutError:
-                entry = None
-        else:
-            entry = store.get_memory(key)
-            store.count(entry is not None)
+                entry, reason = None, "timeout"
         if entry is not None and len(entry.meta) != lm.META_SIZE:
             entry = None  # not an lm:// value (cannot happen through this listener)
-        (self.stats.hits if entry is not None else self.stats.misses).inc()
+        reason = store.count(entry is not None, key, reason)
+        if entry is None:
+            self.stats.misses.inc()
+            self.stats.miss_reasons[reason].inc()
+        else:
+            self.stats.hits.inc()
         return entry

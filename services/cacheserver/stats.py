@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvmesh.common.observability import Metrics
 from kvmesh.common.protocol.cacheserver import ErrorCode
+from kvmesh.services.cacheserver.store import MISS_REASONS
 
 OPS = (
     "hello",
@@ -48,6 +49,14 @@ class ServerStats:
         gets = m.counter("cacheserver_gets_total", "Values asked for, by result", ["result"])
         self.hits = gets.labels(result="hit")
         self.misses = gets.labels(result="miss")
+        reasons = m.counter(
+            "cacheserver_misses_total",
+            "Values asked for and not found, by reason (not_stored, evicted, checksum, timeout)",
+            ["reason"],
+        )
+        self.miss_reasons = {r: reasons.labels(reason=r) for r in MISS_REASONS}
+        for counter in self.miss_reasons.values():
+            counter.inc(0)
         evictions = m.counter(
             "cacheserver_evictions_total",
             "Values evicted from memory, by where they went",

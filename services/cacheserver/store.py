@@ -24,10 +24,14 @@ from typing import Any
 import xxhash
 
 from kvmesh.common.protocol.cacheserver import ErrorCode
+from kvmesh.common.recent_keys import RecentKeys
 
 ENTRY_OVERHEAD = 200  # bytes of bookkeeping counted per entry (dict slot, Entry, key object)
 N_BUCKETS = 256
 INTERNAL_PREFIX = "\x00"  # keys no client can name (e.g. the lm:// listener's)
+# Why a get found nothing: never stored (or deleted), evicted for room (and not kept
+# in a spill), its spill file failed verification, or the spill read passed its deadline.
+MISS_REASONS = ("not_stored", "evicted", "checksum", "timeout")
 
 
 class StoreError(Exception):
@@ -138,7 +142,12 @@ class MemoryStore:
         self.used_bytes = 0
         self.hits = 0
         self.misses = 0
+        self.miss_reasons = dict.fromkeys(MISS_REASONS, 0)
         self.evictions = 0
+        # Keys dropped for room, to tell "evicted" from "never stored" (bounded).
+        self._evicted: RecentKeys[str] = RecentKeys()
+        # Keys whose spill file just failed its checks, until their miss is counted.
+        self._corrupt: set[str] = set()
         self._on_evict = on_evict
         if spill is not None:
             spill.on_forget = self._forget_spilled
@@ -166,6 +175,8 @@ class MemoryStore:
             self.used_bytes -= entry_cost(key, old)
         if self.spill is not None:
             self.spill.discard(key)
+        self._evicted.discard(key)
+        self._corrupt.discard(key)
         self._make_room(cost)
         self._entries[key] = entry
         self.used_bytes += cost
@@ -180,6 +191,7 @@ class MemoryStore:
             spilled = self.spill is not None and self.spill.submit(victim, old)
             if not spilled:
                 self.index.discard(victim)
+                self._evicted.add(victim)
             if self._on_evict is not None:
                 self._on_evict(victim, spilled)
 
@@ -188,15 +200,17 @@ class MemoryStore:
         if old is not None:
             self.used_bytes -= entry_cost(key, old)
         in_spill = self.spill is not None and self.spill.discard(key)
+        self._evicted.discard(key)  # deleted by a client: "not stored" from now on
         if old is None and not in_spill:
             return False
         self.index.discard(key)
         return True
 
     def _forget_spilled(self, key: str) -> None:
-        """The spill dropped key (its own eviction or a failed write)."""
+        """The spill dropped key (its own eviction, a failed write or a failed read)."""
         if key not in self._entries:
             self.index.discard(key)
+            self._evicted.add(key)
 
     # -- reads ----------------------------------------------------------------------
     def contains(self, key: str) -> bool:
@@ -217,9 +231,13 @@ class MemoryStore:
         it is gone or fails its checks. No hit/miss counted."""
         if self.spill is None or key not in self.spill:
             return self.get_memory(key)
+        corrupt_before = self.spill.corrupt
         entry = await self.spill.read(key)
         if key in self._entries:  # put again while the file was read
             return self.get_memory(key)
+        if entry is None and self.spill.corrupt > corrupt_before:
+            self._corrupt.add(key)
+            self._evicted.discard(key)  # deleted for failing its checks, not evicted
         if entry is None or key not in self.spill:  # failed, or deleted meanwhile
             return None
         with contextlib.suppress(StoreError):
@@ -231,14 +249,25 @@ class MemoryStore:
         entry = self.get_memory(key)
         if entry is None:
             entry = await self.read_spilled(key)
-        self.count(entry is not None)
+        self.count(entry is not None, key)
         return entry
 
-    def count(self, hit: bool) -> None:
+    def count(self, hit: bool, key: str = "", reason: str = "") -> str:
+        """Count a get of key; for a miss, its reason (given, or found here) is
+        counted and returned."""
         if hit:
             self.hits += 1
-        else:
-            self.misses += 1
+            return ""
+        self.misses += 1
+        reason = reason or self.miss_reason(key)
+        self.miss_reasons[reason] += 1
+        return reason
+
+    def miss_reason(self, key: str) -> str:
+        if key in self._corrupt:
+            self._corrupt.discard(key)
+            return "checksum"
+        return "evicted" if key in self._evicted else "not_stored"
 
     def list_keys(self, prefix: str, cursor: str, limit: int) -> tuple[list[str], str]:
         return self.index.page(prefix, cursor, limit)

@@ -13,9 +13,9 @@ for a chunk and cannot give it counts one miss with a reason:
 - `remote_down`: the remote store or the peer is down or refused the connection.
 - `error`: anything else (an I/O error, no L1 buffer to read into, a bad reply).
 
-"evicted" needs a memory of what went away. `KeyMemory` keeps the most recent keys
-only (a bounded, insertion-ordered set), so its memory use is fixed; a chunk evicted
-longer ago than that memory reaches is reported as `not_stored`.
+"evicted" needs a memory of what went away: a bounded `RecentKeys` per tier
+(common/recent_keys.py), so a chunk evicted longer ago than it reaches is reported as
+`not_stored`.
 
 Lookups (the scheduler's "how much is cached?") count nothing here: they repeat every
 scheduler step for a waiting request, which would count one absence many times.
@@ -23,16 +23,11 @@ scheduler step for a waiting request, which would count one absence many times.
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from enum import StrEnum
 
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.observability import Metrics
-
-# Keys each tier remembers for telling "evicted" from "not stored" (about 100 bytes
-# of key and dict slot each: ~6.5 MiB per tier at most).
-KEY_MEMORY = 1 << 16
+from kvmesh.common.recent_keys import RecentKeys
 
 
 class MissReason(StrEnum):
@@ -42,39 +37,6 @@ class MissReason(StrEnum):
     CHECKSUM = "checksum"
     REMOTE_DOWN = "remote_down"
     ERROR = "error"
-
-
-class KeyMemory:
-    """A set of the last `capacity` keys added; thread-safe."""
-
-    def __init__(self, capacity: int = KEY_MEMORY) -> None:
-        if capacity <= 0:
-            raise ValueError(f"capacity must be > 0, got {capacity}")
-        self.capacity = capacity
-        self._keys: OrderedDict[ChunkKey, None] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def add(self, key: ChunkKey) -> None:
-        with self._lock:
-            self._keys[key] = None
-            self._keys.move_to_end(key)
-            if len(self._keys) > self.capacity:
-                self._keys.popitem(last=False)
-
-    def discard(self, key: ChunkKey) -> None:
-        with self._lock:
-            self._keys.pop(key, None)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._keys.clear()
-
-    def __contains__(self, key: object) -> bool:
-        with self._lock:
-            return key in self._keys
-
-    def __len__(self) -> int:
-        return len(self._keys)
 
 
 class TierMisses:
@@ -95,7 +57,7 @@ class TierMisses:
         self._misses = {r: misses.labels(tier=tier, reason=r.value) for r in MissReason}
         for counter in self._misses.values():
             counter.inc(0)  # every reason exported from the start: a dashboard sees 0
-        self.evicted = KeyMemory()
+        self.evicted: RecentKeys[ChunkKey] = RecentKeys()
 
     def inc(self, reason: MissReason, n: int = 1) -> None:
         if n:

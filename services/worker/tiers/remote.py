@@ -35,10 +35,11 @@ from kvmesh.common.config import RemoteConfig
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import MemoryObj
 from kvmesh.common.observability import Metrics, get_logger
+from kvmesh.common.recent_keys import RecentKeys
 from kvmesh.common.transport.cacheserver_errors import CacheServerUnavailable
 from kvmesh.services.worker.loop_thread import LoopThread
 from kvmesh.services.worker.tiers.base import Allocator
-from kvmesh.services.worker.tiers.misses import KeyMemory, MissReason, TierMisses
+from kvmesh.services.worker.tiers.misses import MissReason, TierMisses
 from kvmesh.services.worker.tiers.remote_codec import (
     available,
     decode_off_loop,
@@ -88,7 +89,7 @@ class RemoteTier:
         self.misses = TierMisses(self.name, self.stats.metrics)
         # Keys this worker stored, fetched or saw in the remote: one of them missing
         # later was evicted there (or deleted by another worker), not never stored.
-        self._held = KeyMemory()
+        self._held: RecentKeys[ChunkKey] = RecentKeys()
         self.presence = PresenceCache(
             config.presence_max_keys, config.presence_ttl_s, config.absence_ttl_s
         )
