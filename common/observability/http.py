@@ -10,16 +10,38 @@ its own; a slow client cannot hold the loop, aiohttp reads with its own timeouts
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from kvmesh.common.observability.metrics import Metrics
 
 PROMETHEUS_TYPE = "text/plain; version=0.0.4"
 HEALTH_PATHS = ("/health", "/healthz")
 SHUTDOWN_S = 1.0
+
+
+class ClientErrorLogger(logging.LoggerAdapter):
+    """aiohttp's server logger without a traceback for a request it could not parse.
+
+    aiohttp logs every unparseable request (no Host header, a bad header line, a body
+    over the limit...) with a full traceback at ERROR: a port scanner or a broken
+    client would fill the log with them and bury the real errors. Those are the
+    client's fault and already answered (4xx), so they go at debug on one line; any
+    other exception (a bug in a handler) keeps its traceback. Pass an instance as
+    `logger=` to web.AppRunner."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.getLogger("aiohttp.server"), {})
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kw: Any) -> None:
+        if isinstance(exc_info, HttpProcessingError):
+            self.debug("%s: %s %s", msg % args, exc_info.code, exc_info.message)
+            return
+        super().exception(msg, *args, exc_info=exc_info, **kw)
 
 
 class ProbeServer:
@@ -39,7 +61,11 @@ class ProbeServer:
         app = web.Application()
         app.router.add_route("*", "/{path:.*}", self._handle)
         runner = web.AppRunner(
-            app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_S
+            app,
+            access_log=None,
+            handle_signals=False,
+            shutdown_timeout=SHUTDOWN_S,
+            logger=ClientErrorLogger(),
         )
         await runner.setup()
         site = web.TCPSite(runner, self.host, port)

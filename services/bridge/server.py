@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvmesh.common.config.schema import BridgeConfig
 from kvmesh.common.observability import get_logger
+from kvmesh.common.observability.http import ClientErrorLogger
 from kvmesh.common.observability.http_auth import authorized
 from kvmesh.common.transport.curve import CurveKeys
 from kvmesh.services.bridge.backends import Backend, BackendPool, describe, probe_all
@@ -131,7 +132,11 @@ class BridgeServer:
         # handler_cancellation: a lost client's handler is cancelled, which closes the
         # backend connection and so aborts the request there too.
         runner = web.AppRunner(
-            app, handler_cancellation=True, access_log=None, shutdown_timeout=STOP_GRACE_S
+            app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=STOP_GRACE_S,
+            logger=ClientErrorLogger(),
         )
         await runner.setup()
         site = web.TCPSite(runner, self.config.host, port, reuse_address=True)

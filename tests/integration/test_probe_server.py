@@ -41,3 +41,38 @@ def test_probe_server_paths_methods_and_stop() -> None:
             sock.bind(("127.0.0.1", server.port))
 
     asyncio.run(main())
+
+
+def test_unparseable_requests_are_answered_and_logged_without_a_traceback(caplog) -> None:
+    """aiohttp logs a request it cannot parse with a traceback at ERROR: one per port
+    scan or broken client, burying real errors. They are answered 400 and logged at
+    debug on one line (found by tests/fuzz)."""
+
+    async def raw(port: int, data: bytes) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(data)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        return answer
+
+    async def main() -> None:
+        server = ProbeServer(Metrics(), lambda: {"status": "ok"})
+        await server.start(0)
+        try:
+            for bad in (
+                b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n",  # no Host
+                b"GET /health HTTP/1.1\r\nHost: x\r\nbad header line\r\n\r\n",
+                b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+            ):
+                assert (await raw(server.port, bad)).split(b" ", 2)[1] == b"400", bad
+            ok = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            assert (await raw(server.port, ok)).startswith(b"HTTP/1.1 200")
+        finally:
+            await server.stop()
+
+    with caplog.at_level("DEBUG", logger="aiohttp.server"):
+        asyncio.run(main())
+    served = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert len(served) == 3 and all(r.levelname == "DEBUG" for r in served), served
+    assert not any(r.exc_info for r in served)
