@@ -430,6 +430,7 @@ def http_requests(
         ),
         st.tuples(st.just("Transfer-Encoding"), st.sampled_from(["chunked", "gzip", "identity"])),
         st.tuples(st.just("Expect"), st.just("100-continue")),
+        st.tuples(st.just("Host"), st.sampled_from(["127.0.0.1", "", "a b", "x" * 300])),
         st.tuples(st.just("Connection"), st.sampled_from(["close", "keep-alive", "upgrade"])),
         st.tuples(
             st.text(alphabet="abcdefghijklmnopqrstuvwxyz-", min_size=1, max_size=20),
@@ -447,7 +448,7 @@ def http_requests(
                 draw(st.sampled_from(["GET", "POST"])),
                 draw(st.sampled_from(list(paths))),
                 "HTTP/1.1",
-                (("Content-Type", "application/json"), *auth),
+                (("Host", "127.0.0.1"), ("Content-Type", "application/json"), *auth),
                 body,
                 len(body),
                 None,
@@ -538,3 +539,36 @@ def http_get(
             data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
     return int(head.split()[1]), body
+
+
+PROBE_PATHS = ["/metrics", "/health", "/healthz", "/", "/metrics/x"]
+
+
+def fuzz_probe_http(
+    label: str,
+    watched: Watched,
+    port: int,
+    seconds: float,
+    *,
+    paths: Sequence[str] = PROBE_PATHS,
+    healthy: Callable[[int, bytes], bool] = lambda status, _body: status == 200,
+    host: str = "127.0.0.1",
+) -> dict[int | None, int]:
+    """Fuzz a service's /metrics and /health endpoint; after each batch /metrics still
+    answers Prometheus text and /health `healthy(status, body)`. The statuses seen."""
+    statuses: dict[int | None, int] = {}
+
+    def run_batch(batch: list[HttpRequest]) -> None:
+        for req in batch:
+            status = send_http(host, port, req)
+            statuses[status] = statuses.get(status, 0) + 1
+        with slow_client(host, port):
+            status, body = http_get(host, port, "/metrics")
+            assert status == 200 and b"# TYPE kvmesh_" in body, (status, body[:200])
+            status, body = http_get(host, port, "/health")
+            assert healthy(status, body), (status, body[:300])
+        watched.check()
+
+    requests = st.lists(http_requests(paths, [{}]), min_size=1, max_size=8)
+    fuzz_for(label, requests, run_batch, seconds)
+    return statuses
