@@ -147,6 +147,8 @@ def test_killed_peer_is_a_miss_within_the_deadline(nodes, channel: str) -> None:
     t0 = time.monotonic()
     got = b(op="retrieve", seed=2, n=32)
     assert got["loaded"] == 0 and got["gets"]["error"] >= 2
+    # A killed peer does not answer: each chunk asked of it ran into the deadline.
+    assert got["misses"]["timeout"] == got["gets"]["error"], got["misses"]
     # lookup (locator: instant) + one read bounded by timeout_s = 0.5, plus slack.
     assert time.monotonic() - t0 < 2.5
 
@@ -160,6 +162,7 @@ def test_corrupted_chunk_is_a_miss(nodes, channel: str) -> None:
     got = b(op="retrieve", seed=3, n=48)
     assert got["loaded"] == 0 and got["p2p_tokens"] == 0
     assert got["gets"]["corrupt"] == 3 and got["gets"]["hit"] == 0
+    assert got["misses"]["checksum"] == 3 and sum(got["misses"].values()) == 3
     if channel == "nixl":  # leases were released after the read
         assert a(op="leases")["leases"] == 0
 
@@ -206,3 +209,13 @@ def test_bad_messages_get_error_replies_and_the_server_keeps_serving(nodes) -> N
     b(op="locate", keys=stored["keys"], endpoint=a.endpoint)
     got = b(op="retrieve", seed=4, n=32)
     assert got["loaded"] == 32 and got["kv"] == stored["kv"]
+
+
+def test_a_chunk_the_peer_no_longer_holds_is_an_evicted_miss(nodes) -> None:
+    a, b = nodes({"name": "a", "seed": 4, "channel": "zmq"}, {"name": "b", "channel": "zmq"})
+    stored = a(op="store", seed=4, n=48)
+    b(op="locate", keys=stored["keys"], endpoint=a.endpoint)  # the registry's stale answer
+    assert a(op="clear")["cleared"] == 3
+    got = b(op="retrieve", seed=4, n=48)
+    assert got["loaded"] == 0
+    assert got["misses"]["evicted"] == 3 and sum(got["misses"].values()) == 3

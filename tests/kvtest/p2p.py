@@ -21,6 +21,7 @@ from kvmesh.common.config import EngineConfig, L1Config, P2PConfig
 from kvmesh.common.keys import ChunkKey
 from kvmesh.services.worker.engine import KVEngine
 from kvmesh.services.worker.peer_locator import PeerLocation
+from kvmesh.services.worker.tiers.misses import MissReason
 
 CHUNK = 16
 BLOCKS, BLOCK = 64, 16
@@ -138,6 +139,10 @@ class Node:
                 "gets": {
                     r: m.value("p2p_gets_total", {"result": r})
                     for r in ("hit", "error", "corrupt", "miss")
+                },
+                "misses": {
+                    r: m.value("chunk_misses_total", {"tier": "p2p", "reason": r})
+                    for r in [reason.value for reason in MissReason]
                 },
             }
         if op == "corrupt":
