@@ -3,6 +3,11 @@
 Only `GET /metrics` and `GET /health` (`/healthz`) stay open: Prometheus scrapers and
 orchestrator probes rarely carry credentials, and neither path changes or reveals
 cached data. Everything else needs `Authorization: Bearer <token>` when a token is set.
+
+A service checks requests through `BearerAuth`, which counts each refusal (answered
+401) in `kvmesh_<service>_http_auth_failures_total{reason}`, beside CURVE's
+`kvmesh_<service>_auth_failures_total` for its ZMQ sockets: `missing` (no bearer
+token at all) or `wrong` (a token that is not the one configured).
 """
 
 from __future__ import annotations
@@ -12,8 +17,10 @@ import os
 
 from kvmesh.common.config.errors import ConfigError, ConfigIssue, Source
 from kvmesh.common.config.schema import SecurityConfig
+from kvmesh.common.observability.metrics import Metrics
 
 OPEN_PATHS = frozenset(("/metrics", "/health", "/healthz"))
+REFUSALS = ("missing", "wrong")
 
 
 def read_http_token(security: SecurityConfig) -> str:
@@ -53,3 +60,38 @@ def authorized(header: str | None, token: str) -> bool:
     if scheme.lower() != "bearer":
         return False
     return hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+def refusal(header: str | None, token: str) -> str | None:
+    """Why an Authorization header value is refused (a REFUSALS entry), None when it
+    carries the token or no token is set."""
+    if authorized(header, token):
+        return None
+    scheme, _, given = (header or "").partition(" ")
+    return "missing" if scheme.lower() != "bearer" or not given.strip() else "wrong"
+
+
+class BearerAuth:
+    """The token check of one service's HTTP endpoints, refusals counted by reason in
+    `kvmesh_<service>_http_auth_failures_total` (every reason at 0 from the start, so
+    a rate is defined before the first refusal)."""
+
+    def __init__(self, token: str, metrics: Metrics, service: str) -> None:
+        self.token = token
+        failures = metrics.counter(
+            f"{service}_http_auth_failures_total",
+            "HTTP requests refused (401) for a missing or wrong bearer token, by why",
+            ["reason"],
+        )
+        self.failures = {reason: failures.labels(reason=reason) for reason in REFUSALS}
+        for counter in self.failures.values():
+            counter.inc(0)
+
+    def allows(self, header: str | None) -> bool:
+        """Whether a request with this Authorization header may go on; a refusal is
+        counted (the caller answers it 401)."""
+        reason = refusal(header, self.token)
+        if reason is None:
+            return True
+        self.failures[reason].inc()
+        return False

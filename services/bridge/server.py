@@ -31,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kvmesh.common.config.schema import BridgeConfig
 from kvmesh.common.observability import get_logger
 from kvmesh.common.observability.http import ClientErrorLogger
-from kvmesh.common.observability.http_auth import authorized
+from kvmesh.common.observability.http_auth import BearerAuth
 from kvmesh.common.transport.curve import CurveKeys
 from kvmesh.services.bridge.backends import Backend, BackendPool, describe, probe_all
 from kvmesh.services.bridge.openai import error_json
@@ -60,6 +60,7 @@ class BridgeServer:
         # through to the backends, and /metrics, /health stay open for probes.
         self.http_token = http_token
         self.stats = BridgeStats()
+        self.auth = BearerAuth(http_token, self.stats.metrics, "bridge")
         self.prefillers = BackendPool(
             [
                 Backend("prefiller", b.url, stats=self.stats, instance_id=b.instance_id)
@@ -220,7 +221,7 @@ class BridgeServer:
         )
 
     async def _transfers(self, request: web.Request) -> web.Response:
-        if not authorized(request.headers.get("Authorization"), self.http_token):
+        if not self.auth.allows(request.headers.get("Authorization")):
             return error_response(401, "missing or wrong bearer token")
         return web.Response(
             body=msgspec.json.encode(self.transfers.snapshot()), content_type="application/json"

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvmesh.common.observability.http_auth import authorized, needs_token
+from kvmesh.common.observability.http_auth import BearerAuth, needs_token
 from kvmesh.common.protocol import controller as proto
 
 if TYPE_CHECKING:
@@ -45,6 +45,7 @@ class AdminHttp:
         self.server = server
         self.host = host
         self.token = token
+        self.auth = BearerAuth(token, server.stats.metrics, "controller")
         self.port = 0
         self._server: asyncio.Server | None = None
 
@@ -69,7 +70,7 @@ class AdminHttp:
         except _BadRequest as exc:
             await _respond(writer, 400, {"error": str(exc)})
             return
-        if needs_token(method, path) and not authorized(auth, self.token):
+        if needs_token(method, path) and not self.auth.allows(auth):
             await _respond(writer, 401, {"error": "missing or wrong bearer token"})
             return
         try:
