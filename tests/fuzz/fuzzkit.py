@@ -237,15 +237,23 @@ def headers(union: Any) -> st.SearchStrategy[bytes]:
     )
 
 
-def messages(union: Any) -> st.SearchStrategy[list[bytes]]:
+class Frames(list):
+    """A message's frames, printed short in a failure report (a huge or deeply nested
+    header would print megabytes): each frame's size and first bytes."""
+
+    def __repr__(self) -> str:
+        return "Frames[" + ", ".join(f"{len(f)}B {bytes(f[:48])!r}" for f in self) + "]"
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # hypothesis's printer
+        p.text(repr(self))
+
+
+def messages(union: Any) -> st.SearchStrategy[Frames]:
     """One multipart message after the routing id: a header then 0-4 value frames
     (empty ones included), or just an empty frame."""
     extra = st.lists(st.one_of(st.just(b""), st.binary(max_size=512)), max_size=4)
-    return st.one_of(
-        st.tuples(headers(union), extra).map(lambda he: [he[0], *he[1]]),
-        st.tuples(headers(union), extra).map(lambda he: [he[0], *he[1]]),
-        st.just([b""]),
-    )
+    framed = st.tuples(headers(union), extra).map(lambda he: Frames([he[0], *he[1]]))
+    return st.one_of(framed, framed, st.just(Frames([b""])))
 
 
 # -- the ZMQ side ----------------------------------------------------------------------
@@ -266,7 +274,7 @@ class ZmqTarget:
     replies: int = 0
     errors: int = 0
 
-    def batches(self, max_size: int = 12) -> st.SearchStrategy[list[list[bytes]]]:
+    def batches(self, max_size: int = 12) -> st.SearchStrategy[list[Frames]]:
         return st.lists(messages(self.union), min_size=1, max_size=max_size)
 
     def socket(self) -> zmq.Socket:
@@ -352,6 +360,13 @@ class HttpRequest:
     body: bytes
     declared: int | str | None  # Content-Length as sent; None: none
     cut: int | None  # send only this many bytes of the whole request, then close
+
+    def __repr__(self) -> str:
+        raw = self.raw()
+        return f"HttpRequest({len(raw)}B, cut={self.cut}: {raw[:400]!r})"
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # hypothesis's printer
+        p.text(repr(self))
 
     def raw(self) -> bytes:
         head = [f"{self.method} {self.path} {self.version}".strip()]
