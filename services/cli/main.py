@@ -13,6 +13,7 @@ from kvmesh.services.cli.controller_cmd import controller
 from kvmesh.services.cli.demo_cmd import demo
 from kvmesh.services.cli.disk_cmd import disk
 from kvmesh.services.cli.doctor_cmd import doctor
+from kvmesh.services.cli.events_cmd import events
 from kvmesh.services.cli.keys_cmd import keys
 from kvmesh.services.cli.lookup_cmd import lookup
 from kvmesh.services.cli.probe_cmd import probe_cmd
@@ -39,6 +40,7 @@ cli.add_command(config)
 cli.add_command(demo)
 cli.add_command(disk)
 cli.add_command(doctor)
+cli.add_command(events)
 cli.add_command(keys)
 cli.add_command(probe_cmd)
 cli.add_command(status)

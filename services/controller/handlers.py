@@ -16,6 +16,7 @@ from kvmesh.common.protocol import controller as proto
 from kvmesh.common.protocol.controller import ErrorCode
 from kvmesh.services.controller import move
 from kvmesh.services.controller.admin import AdminFanout
+from kvmesh.services.controller.event_pub import EventPublisher
 from kvmesh.services.controller.index_feed import IndexFeed
 from kvmesh.services.controller.registry import Registry, WorkerEntry
 from kvmesh.services.controller.stats import ControllerStats
@@ -45,6 +46,7 @@ class Handlers:
         *,
         server_name: str,
         feed: IndexFeed,
+        events_pub: EventPublisher | None = None,
     ) -> None:
         self.registry = registry
         self.stats = stats
@@ -52,6 +54,7 @@ class Handlers:
         self.push = push
         self.server_name = server_name
         self.feed = feed
+        self.events_pub = events_pub  # the external KV-event feed; None: off
         self.table: dict[type, SyncHandler] = {
             proto.Register: self.register,
             proto.Deregister: self.deregister,
@@ -119,6 +122,8 @@ class Handlers:
     def deregister(self, peer: bytes, msg: proto.Deregister) -> Any:
         if self._entry(peer, msg.worker_id) is None:
             return self._not_registered(msg)
+        if self.events_pub is not None:
+            self.events_pub.left(self.registry.workers[msg.worker_id], "deregistered")
         n = self.registry.drop(msg.worker_id)
         self.stats.dropped_by["deregister"].inc()
         self.stats.workers.set(len(self.registry.workers))
@@ -147,6 +152,8 @@ class Handlers:
             self._resync(entry, f"gap: expected seq {entry.last_seq + 1}, got {msg.first_seq}")
             return None
         self.registry.apply(entry, msg.events)
+        if self.events_pub is not None:
+            self.events_pub.events(entry, msg.events)
         entry.last_seq = msg.first_seq + len(msg.events) - 1
         self.stats.events.inc(len(msg.events))
         return None
@@ -169,6 +176,8 @@ class Handlers:
         if entry is None:
             return self._not_registered(msg)
         n = self.registry.replace_state(entry, msg.tiers)
+        if self.events_pub is not None:
+            self.events_pub.state(entry, msg.tiers)
         entry.last_seq, entry.resync_sent = msg.seq, 0.0
         return proto.FullStateReply(msg.rid, n)
 

@@ -3,7 +3,9 @@
 Listeners:
 - a ZMQ ROUTER (`host:port`) speaking common/protocol/controller.py to workers and
   admin clients (KV events travel on it too: see that module for why);
-- optionally HTTP (`http_port`): the JSON admin API, `/metrics`, `/health` (http.py).
+- optionally HTTP (`http_port`): the JSON admin API, `/metrics`, `/health` (http.py);
+- optionally the KV-event feed: an XPUB (`events_port`, event_pub.py) and its replay
+  ROUTER (`events_replay_port`, event_replay.py).
 
 Lookup-servers follow the registry through the ROUTER too: they subscribe, get a
 snapshot, then every change pushed (index_feed.py).
@@ -40,6 +42,8 @@ from kvmesh.common.protocol.controller import ErrorCode
 from kvmesh.common.transport.curve import CurveGuard, CurveKeys
 from kvmesh.common.transport.router_loop import Answer, RouterLoop
 from kvmesh.services.controller.admin import AdminFanout
+from kvmesh.services.controller.event_pub import EventPublisher
+from kvmesh.services.controller.event_replay import EventReplay
 from kvmesh.services.controller.handlers import Handlers
 from kvmesh.services.controller.http import AdminHttp
 from kvmesh.services.controller.index_feed import IndexFeed
@@ -85,8 +89,23 @@ class ControllerServer:
             max_subscribers=config.max_index_subscribers,
             timeout_s=config.index_subscriber_timeout_s,
         )
+        self.events_pub = (
+            EventPublisher(
+                self.stats.metrics,
+                replay_size=config.events_replay_size if config.events_replay_port else 0,
+            )
+            if config.events_port
+            else None
+        )
+        self.events_replay: EventReplay | None = None
         self.handlers = Handlers(
-            self.registry, self.stats, self.fanout, self.push, server_name=name, feed=self.feed
+            self.registry,
+            self.stats,
+            self.fanout,
+            self.push,
+            server_name=name,
+            feed=self.feed,
+            events_pub=self.events_pub,
         )
         self.sessions: dict[bytes, float] = {}
         self.started = time.monotonic()
@@ -113,6 +132,11 @@ class ControllerServer:
         self.port = self.router.start(
             cfg.host, cfg.port, max_message_bytes=MAX_MESSAGE_BYTES, secure=self.guard.serve
         )
+        if self.events_pub is not None:
+            self.events_pub.start(self._ctx, cfg.host, cfg.events_port, self.guard.serve)
+            if cfg.events_replay_port:
+                self.events_replay = EventReplay(self._ctx, self.events_pub, self.stats.metrics)
+                self.events_replay.start(cfg.host, cfg.events_replay_port, self.guard.serve)
         self._tasks = [asyncio.create_task(self._housekeeping(), name="controller-housekeeping")]
         http_port = cfg.http_port or cfg.metrics_port
         if http_port:
@@ -145,6 +169,10 @@ class ControllerServer:
         if self.config.snapshot_path:
             await self.save_snapshot()
         self.router.close()
+        if self.events_replay is not None:
+            self.events_replay.close()
+        if self.events_pub is not None:
+            self.events_pub.close()
         if self.guard is not None:
             await asyncio.to_thread(self.guard.close)
         self._ctx.term()
@@ -155,7 +183,7 @@ class ControllerServer:
         await self._closed.wait()
 
     def health_report(self) -> dict[str, Any]:
-        return {
+        report: dict[str, Any] = {
             "status": "ok",
             "uptime_s": round(time.monotonic() - self.started, 3),
             "workers": len(self.registry.workers),
@@ -163,6 +191,10 @@ class ControllerServer:
             "protocol_version": proto.PROTOCOL_VERSION,
             "index_subscribers": len(self.feed.subscribers),
         }
+        if self.events_pub is not None:
+            pub = self.events_pub
+            report["event_feed"] = {"epoch": pub.epoch, "seq": pub.seq, "topics": len(pub.topics)}
+        return report
 
     # -- requests -----------------------------------------------------------------------
     def _dispatch(self, peer: bytes, msg: Any, values: list) -> None:
@@ -241,6 +273,8 @@ class ControllerServer:
             > max(misses * e.heartbeat_s, RESTORED_GRACE_S if e.restored else 0.0)
         ]
         for worker_id in silent:
+            if self.events_pub is not None:
+                self.events_pub.left(self.registry.workers[worker_id], "dropped")
             n = self.registry.drop(worker_id)
             self.stats.dropped_by["heartbeat"].inc()
             log.warning("worker dropped: missed heartbeats", worker=worker_id, chunks=n)
