@@ -32,9 +32,17 @@ def configure_logging(level: str = "info", *, json: bool = True, service: str = 
         if json
         else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     )
+
+    def add_service(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, Any]:
+        # A processor, not a bound contextvar: threads start with an empty context, so
+        # a value bound at start-up would be missing from lines logged on other threads.
+        event.setdefault("service", service)
+        return event
+
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            add_service,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.StackInfoRenderer(),
@@ -45,7 +53,6 @@ def configure_logging(level: str = "info", *, json: bool = True, service: str = 
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
-    structlog.contextvars.bind_contextvars(service=service)
     # Libraries that log through the standard module end up on the same stream.
     logging.basicConfig(
         level=numeric, stream=sys.stderr, format="%(name)s %(levelname)s %(message)s"

@@ -29,6 +29,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import structlog
 import zmq
 import zmq.asyncio
 
@@ -325,6 +326,19 @@ class LookupService:
         return proto.HelloReply(msg.rid, proto.PROTOCOL_VERSION, self.name, self.config.chunk_size)
 
     async def _lookup(self, msg: proto.Lookup) -> proto.Reply:
+        lookup_id = msg.lookup_id or f"ls-{msg.rid}"
+        # The same id goes to the workers (they pin under it): bound here, it tags
+        # this process's lines for the lookup as theirs tag their own.
+        with structlog.contextvars.bound_contextvars(lookup_id=lookup_id):
+            reply = await self._lookup_in(msg, lookup_id)
+            if isinstance(reply, proto.LookupReply):
+                log.debug(
+                    "lookup answered", instance=msg.instance_id, hit_tokens=reply.hit_tokens,
+                    per_rank=reply.per_rank, pin=msg.pin, source=reply.source,
+                )  # fmt: skip
+            return reply
+
+    async def _lookup_in(self, msg: proto.Lookup, lookup_id: str) -> proto.Reply:
         workers = await self._instance_workers(msg.instance_id, "lookup")
         if not workers:
             return proto.error_reply(
@@ -344,9 +358,8 @@ class LookupService:
 
         def make(rid: int, deadline: float) -> wire.LookupPrefix:
             return wire.LookupPrefix(
-                rid, wire.PROTOCOL_VERSION, msg.lookup_id or f"ls-{rid}", msg.tokens,
-                msg.pin, msg.tenant, deadline,
-            )  # fmt: skip
+                rid, wire.PROTOCOL_VERSION, lookup_id, msg.tokens, msg.pin, msg.tenant, deadline
+            )
 
         asked = self._pool.ask(endpoints, make, self.config.worker_timeout_s)
         l1 = self._l1_tokens(msg) if not msg.tenant else _none()
@@ -354,7 +367,9 @@ class LookupService:
         per_rank = [r.hit_tokens if isinstance(r, wire.LookupPrefixReply) else -1 for r in replies]
         hit = min(per_rank) if per_rank and min(per_rank) >= 0 else 0
         if msg.pin and hit == 0 and any(h > 0 for h in per_rank):
-            await self._release_on(endpoints, msg.lookup_id)
+            # Some rank lacks the prefix: the others' pins would hold memory for nothing.
+            log.debug("lookup pins released: not every rank holds the prefix")
+            await self._release_on(endpoints, lookup_id)
         if l1_tokens >= 0:
             l1_tokens = min(l1_tokens, hit)
         return proto.LookupReply(msg.rid, hit, per_rank, l1_tokens, "workers")
@@ -381,6 +396,7 @@ class LookupService:
                 msg.rid, ErrorCode.UNKNOWN_INSTANCE, f"no worker of {msg.instance_id!r} registered"
             )
         sent = await self._release_on([w.lookup_endpoint for w in workers], msg.lookup_id)
+        log.debug("lookup released", lookup_id=msg.lookup_id, instance=msg.instance_id)
         return proto.ReleaseReply(msg.rid, sent)
 
     async def _best(self, msg: proto.BestInstances) -> proto.Reply:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import structlog
 import torch
 import zmq
 import zmq.asyncio
@@ -229,16 +230,24 @@ class LookupServer:
             )
         ids = proto.decode_tokens(msg.tokens)
         tokens = torch.frombuffer(ids, dtype=torch.uint32) if len(ids) else []
-        try:
-            hits = self.engine.lookup(tokens, msg.lookup_id, msg.pin, tenant=msg.tenant)
-        except (ValueError, TypeError) as exc:
-            return proto.error_reply(msg.rid, proto.ErrorCode.BAD_TOKENS, str(exc))
+        # The lookup id is the scheduler's request id (or the lookup-server's): bound,
+        # it tags every line logged for this lookup, here and in the asking process.
+        with structlog.contextvars.bound_contextvars(lookup_id=msg.lookup_id):
+            try:
+                hits = self.engine.lookup(tokens, msg.lookup_id, msg.pin, tenant=msg.tenant)
+            except (ValueError, TypeError) as exc:
+                log.info("lookup refused", error=str(exc))
+                return proto.error_reply(msg.rid, proto.ErrorCode.BAD_TOKENS, str(exc))
+            log.debug(
+                "lookup served", tokens=len(ids), hit_tokens=hits, pinned=msg.pin and hits > 0
+            )
         return proto.LookupPrefixReply(msg.rid, hits)
 
     def _release(self, msg: proto.ReleaseLookup) -> proto.Reply:
         self._requests["release"].inc()
         released = msg.lookup_id in self.engine.pins
         self.engine.release_lookup(msg.lookup_id)
+        log.debug("lookup released", lookup_id=msg.lookup_id, held_pins=released)
         return proto.ReleaseLookupReply(msg.rid, released)
 
 

@@ -13,6 +13,10 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 
+from kvmesh.common.observability import get_logger
+
+log = get_logger(__name__)
+
 UnpinFn = Callable[[Sequence[Hashable]], None]
 
 
@@ -50,15 +54,17 @@ class LookupPins:
     def expire(self, now: float | None = None) -> int:
         """Release every lookup whose deadline passed; returns how many lookups."""
         now = time.monotonic() if now is None else now
-        expired: list[list[Hashable]] = []
+        expired: list[tuple[str, list[Hashable]]] = []
         with self._lock:
             while self._deadlines and self._deadlines[0][0] <= now:
                 deadline, lookup_id = heapq.heappop(self._deadlines)
                 entry = self._held.get(lookup_id)
                 # A released or re-issued lookup leaves a stale heap entry behind.
                 if entry is not None and entry[0] == deadline:
-                    expired.append(self._held.pop(lookup_id)[1])
-        for keys in expired:
+                    expired.append((lookup_id, self._held.pop(lookup_id)[1]))
+        for lookup_id, keys in expired:
+            # Its retrieve never came (aborted, or computed by the engine itself).
+            log.debug("lookup pins expired", lookup_id=lookup_id, chunks=len(keys))
             self._unpin(keys)
         return len(expired)
 

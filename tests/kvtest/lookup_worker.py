@@ -5,7 +5,8 @@
 registers with the controller, serves the lookup protocol at LOOKUP_ENDPOINT, stores
 the first N of `tokens(TOTAL, SEED)`, and prints one JSON line {"endpoint", "keys"}
 once the controller has its lookup endpoint and its events; then serves until killed
-or until stdin closes (clean close)."""
+or until stdin closes (clean close). It logs as a kvmesh service does, per the
+KVMESH_LOGGING__* environment."""
 
 from __future__ import annotations
 
@@ -13,12 +14,16 @@ import json
 import sys
 import time
 
+from kvmesh.common.config import load_config
+from kvmesh.common.observability import configure_logging
 from kvmesh.services.worker.lookup_server import attach_lookup_server
 from kvtest.controller import build_engine, store, tokens
 
 
 def main() -> None:
     url, instance, endpoint, seed, total, n = sys.argv[1:7]
+    logging = load_config().logging
+    configure_logging(logging.level, json=logging.json, service=f"worker-{instance}")
     eng = build_engine(instance, url, heartbeat_s=0.2)
     attach_lookup_server(eng, endpoint)
     keys = store(eng, tokens(int(total), int(seed))[: int(n)])
