@@ -25,6 +25,10 @@ with zeros so the payload after it starts block-aligned for O_DIRECT):
 | 144 | 8 | xxh3-64 of bytes 0–143 |
 | 152 | 3944 | zeros |
 
+A compressed chunk's file is version 2: the same fields, then at 144 the codec (u16,
+as in the value layout) and at 146 the stored (compressed) payload length (u64), the
+header checksum at 154 over bytes 0–153, zeros from 162.
+
 `VALUE_LAYOUT`: a value in a remote store (144 bytes; the cache-server keeps it as the
 value's meta, Redis in front of the payload):
 
@@ -32,7 +36,7 @@ value's meta, Redis in front of the payload):
 |---:|---:|---|
 | 0 | 4 | magic `b"KVMR"` |
 | 4 | 1 | version (1) |
-| 5 | 1 | codec: 0 none, 1 zstd, 2 lz4 |
+| 5 | 1 | codec: 0 none, 1 zstd, 2 lz4, 3 cachegen (`Codec`) |
 | 6 | 1 | memory format (`MemoryFormat`) |
 | 7 | 1 | number of dimensions (at most 8) |
 | 8 | 16 | dtype name, ASCII, zero-padded |
@@ -47,7 +51,10 @@ value's meta, Redis in front of the payload):
 A reader parses the header (magic, header checksum, version, known codec and format,
 shape × dtype = length), checks that the key is the one asked for (`check_key`) and
 that the uncompressed payload has the header's length and checksum (`check_payload`).
-Any failure is `CorruptChunk`: the chunk is dropped and the read is a miss, never
+The checksum is of the raw chunk, except under a lossy codec (cachegen), whose decoded
+bytes differ from the raw ones: there it is of the stored payload, checked before
+decoding (`check_stored`; common/codecs/stored.py decodes). Any failure is
+`CorruptChunk`: the chunk is dropped and the read is a miss, never
 wrong KV.
 """
 
@@ -84,14 +91,22 @@ class CorruptChunk(ValueError):
 
 
 class Codec(IntEnum):
-    """How a payload is compressed (the value header's codec field)."""
+    """How a payload is compressed (the headers' codec field; common/codecs/ holds the
+    codecs). Stable values: append, never renumber."""
 
     NONE = 0
     ZSTD = 1
     LZ4 = 2
+    CACHEGEN = 3
+
+    @property
+    def lossless(self) -> bool:
+        """Whether decoding gives back the raw bytes; a lossy codec's header checksum
+        covers the stored payload instead (`check_stored`)."""
+        return self is not Codec.CACHEGEN
 
 
-CODECS = {"none": Codec.NONE, "zstd": Codec.ZSTD, "lz4": Codec.LZ4}
+CODECS = {"none": Codec.NONE, "zstd": Codec.ZSTD, "lz4": Codec.LZ4, "cachegen": Codec.CACHEGEN}
 
 
 # -- checksum ---------------------------------------------------------------------------
@@ -226,13 +241,17 @@ class HeaderLayout:
     `written_ns` reads back as 0, and a layout without `codec` holds uncompressed
     chunks only."""
 
-    VERSION = 1
-
     def __init__(
-        self, what: str, magic: bytes, fields: Sequence[tuple[str, str]], size: int = 0
+        self,
+        what: str,
+        magic: bytes,
+        fields: Sequence[tuple[str, str]],
+        size: int = 0,
+        version: int = 1,
     ) -> None:
         self.what = what
         self.magic = magic
+        self.version = version
         self._names = tuple(name for name, _ in fields)
         self._body = struct.Struct("<" + "".join(code for _, code in fields))
         # Where each field sits in the unpacked tuple (the shape spans MAX_DIMS items).
@@ -276,7 +295,7 @@ class HeaderLayout:
             raise ValueError(f"a {self.what} holds uncompressed chunks only")
         values = {
             "magic": self.magic,
-            "version": self.VERSION,
+            "version": self.version,
             "header_size": self.size,
             "codec": int(header.codec),
             "fmt": int(header.fmt),
@@ -315,7 +334,7 @@ class HeaderLayout:
             return fields[at[name]] if name in at else default
 
         version = field("version")
-        if version != self.VERSION:
+        if version != self.version:
             raise CorruptChunk(f"unsupported {self.what} version {version}")
         if "header_size" in at and field("header_size") != self.size:
             raise CorruptChunk(f"unexpected header size {field('header_size')}")
@@ -360,25 +379,68 @@ class HeaderLayout:
         )
 
 
-FILE_LAYOUT = HeaderLayout(
+_FILE_FIELDS = (
+    ("magic", "8s"),
+    ("version", "H"),
+    ("header_size", "H"),
+    ("fmt", "H"),
+    ("ndim", "H"),
+    ("dtype", f"{_DTYPE_BYTES}s"),
+    ("shape", f"{MAX_DIMS}Q"),
+    ("nbytes", "Q"),
+    ("checksum", "Q"),
+    ("written_ns", "Q"),
+    ("namespace", "8s"),
+    ("chunk_hash", "16s"),
+)
+FILE_LAYOUT_V1 = HeaderLayout("chunk file", b"KVMESHL3", _FILE_FIELDS, size=4096)
+# Version 2 appends the codec and the stored length (the padding had room); an
+# uncompressed chunk is still written as version 1, byte for byte as before.
+FILE_LAYOUT_V2 = HeaderLayout(
     "chunk file",
     b"KVMESHL3",
-    (
-        ("magic", "8s"),
-        ("version", "H"),
-        ("header_size", "H"),
-        ("fmt", "H"),
-        ("ndim", "H"),
-        ("dtype", f"{_DTYPE_BYTES}s"),
-        ("shape", f"{MAX_DIMS}Q"),
-        ("nbytes", "Q"),
-        ("checksum", "Q"),
-        ("written_ns", "Q"),
-        ("namespace", "8s"),
-        ("chunk_hash", "16s"),
-    ),
+    (*_FILE_FIELDS, ("codec", "H"), ("stored_nbytes", "Q")),
     size=4096,
+    version=2,
 )
+_FILE_VERSION = struct.Struct("<8sH")
+
+
+class _FileLayout:
+    """FILE_LAYOUT: version 1 for uncompressed chunks, version 2 for compressed ones;
+    a reader takes either."""
+
+    what = FILE_LAYOUT_V1.what
+    magic = FILE_LAYOUT_V1.magic
+    size = FILE_LAYOUT_V1.size
+    used = FILE_LAYOUT_V1.used
+
+    def _for(self, header: ChunkHeader) -> HeaderLayout:
+        return FILE_LAYOUT_V1 if header.codec is Codec.NONE else FILE_LAYOUT_V2
+
+    def total_size(self, header: ChunkHeader) -> int:
+        return FILE_LAYOUT_V1.total_size(header)
+
+    def pack(self, header: ChunkHeader) -> bytes:
+        return self._for(header).pack(header)
+
+    def pack_into(self, header: ChunkHeader, out: memoryview | bytearray) -> None:
+        self._for(header).pack_into(header, out)
+
+    def parse(self, data: bytes | memoryview) -> ChunkHeader:
+        mv = memoryview(data).cast("B")
+        if len(mv) >= _FILE_VERSION.size and _FILE_VERSION.unpack_from(mv)[1] == 2:
+            header = FILE_LAYOUT_V2.parse(mv)
+            # A compressed file is always smaller than the chunk (a writer stores the
+            # raw bytes otherwise), which is how the disk tier tells the two apart.
+            assert header.stored_nbytes is not None
+            if header.codec is Codec.NONE or header.stored_nbytes >= header.nbytes:
+                raise CorruptChunk("version 2 chunk file that is not compressed")
+            return header
+        return FILE_LAYOUT_V1.parse(mv)
+
+
+FILE_LAYOUT = _FileLayout()
 
 VALUE_LAYOUT = HeaderLayout(
     "remote value",
@@ -408,6 +470,17 @@ def check_key(header: ChunkHeader, key: ChunkKey) -> None:
     another's bytes (a misplaced file, a colliding remote name) is never served."""
     if header.key != key:
         raise CorruptChunk(f"holds another key ({header.key.to_str()}, not {key.to_str()})")
+
+
+def check_stored(header: ChunkHeader, data: memoryview | bytes) -> None:
+    """CorruptChunk unless data, the payload as stored, has the header's stored length
+    and, under a lossy codec, its checksum (a lossless payload is checked after
+    decoding, by check_payload)."""
+    n = memoryview(data).nbytes
+    if n != header.stored_nbytes:
+        raise CorruptChunk(f"stored payload of {n} bytes, header says {header.stored_nbytes}")
+    if not header.codec.lossless and payload_checksum(data) != header.checksum:
+        raise CorruptChunk("stored payload checksum mismatch")
 
 
 def check_payload(header: ChunkHeader, data: memoryview | bytes) -> None:

@@ -64,6 +64,26 @@ class L1Config(_Section):
             )
 
 
+Compression = Literal["none", "zstd", "lz4", "cachegen"]
+CacheGenBits = Annotated[int, msgspec.Meta(ge=1, le=8)]
+
+
+class CacheGenConfig(_Section):
+    """Settings of the lossy `cachegen` codec (common/codecs/cachegen.py).
+
+    The layers are split into `len(layer_bits)` equal bands, first layers first; each
+    value of a band is quantised per channel to that many bits. The settings travel in
+    each stored chunk, so readers need none of their own.
+    """
+
+    # Bits per value of each equal band of layers, first layers first.
+    layer_bits: Annotated[list[CacheGenBits], msgspec.Meta(min_length=1, max_length=64)] = (
+        msgspec.field(default_factory=lambda: [8, 6, 4])
+    )
+    # zstd level of the entropy stage (higher: slower writes, a few percent smaller).
+    zstd_level: Annotated[int, msgspec.Meta(ge=1, le=19)] = 1
+
+
 class DiskConfig(_Section):
     """The local disk tier (L3): one file per chunk in a directory that survives restarts.
 
@@ -81,6 +101,10 @@ class DiskConfig(_Section):
     eviction_policy: EvictionPolicy = "lru"
     retry_s: PositiveSeconds = 30.0
     max_pending_puts: PositiveInt = 256
+    # How chunk files are written: lossless (zstd, lz4) or lossy (cachegen); a reader
+    # decodes any of them whatever this says.
+    compression: Compression = "none"
+    cachegen: CacheGenConfig = CacheGenConfig()
 
     def __post_init__(self) -> None:
         if self.enabled and not self.path.strip():
@@ -98,7 +122,7 @@ class DiskConfig(_Section):
             )
 
 
-RemoteCompression = Literal["none", "zstd", "lz4"]
+RemoteCompression = Compression
 REMOTE_SCHEMES = ("kvmesh", "redis", "rediss", "redis-cluster", "fs")
 NonNegativeSeconds = Annotated[float, msgspec.Meta(ge=0)]
 
@@ -121,6 +145,7 @@ class RemoteConfig(_Section):
     max_pending_puts: PositiveInt = 256
     compression: RemoteCompression = "none"
     compression_min_saving: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.05
+    cachegen: CacheGenConfig = CacheGenConfig()
     presence_ttl_s: NonNegativeSeconds = 5.0
     absence_ttl_s: NonNegativeSeconds = 1.0
     presence_max_keys: PositiveInt = 100_000

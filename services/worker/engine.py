@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from kvmesh.common.codecs import codec_from_config
 from kvmesh.common.config import EngineConfig, TierPluginConfig
 from kvmesh.common.keys import ChunkKey, KeyNamespace
 from kvmesh.common.memory import HostMemoryPool, MemoryFormat, MemoryObj
@@ -206,6 +207,7 @@ class KVEngine:
             retry_s=cfg.retry_s,
             max_pending_puts=cfg.max_pending_puts,
             metrics=self.stats.metrics,
+            codec=codec_from_config(cfg.compression, cfg.cachegen),
         )
 
     def _make_plugin_tier(self, cfg: TierPluginConfig) -> Tier:

@@ -58,10 +58,10 @@ from kvmesh.common.chunk_codec import (
     ChunkHeader,
     CorruptChunk,
     check_key,
-    check_payload,
     chunk_bytes,
-    describe,
 )
+from kvmesh.common.codecs import Codec
+from kvmesh.common.codecs.stored import decode_chunk, encode_chunk
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import MemoryFormat, MemoryObj
 from kvmesh.common.observability import Metrics, get_logger
@@ -102,7 +102,15 @@ class _Entry:
 
     @property
     def nbytes(self) -> int:
-        return self.size - FILE_LAYOUT.size
+        """The chunk's bytes, uncompressed (a compressed file holds fewer)."""
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def compressed(self) -> bool:
+        return self.size < FILE_LAYOUT.size + self.nbytes
 
 
 class DiskTier:
@@ -121,6 +129,7 @@ class DiskTier:
         retry_s: float = 30.0,
         max_pending_puts: int = 256,
         metrics: Metrics | None = None,
+        codec: Codec | None = None,
     ) -> None:
         if max_size <= 0:
             raise ValueError(f"max_size must be > 0, got {max_size}")
@@ -129,6 +138,7 @@ class DiskTier:
         self.o_direct = o_direct
         self.retry_s = retry_s
         self.max_pending_puts = max_pending_puts
+        self.codec = codec  # None: chunks are written raw
         self.stats = DiskStats(metrics)
         self.misses = TierMisses(self.name, self.stats.metrics)
         self.stats.capacity.set(self.max_size)
@@ -442,13 +452,15 @@ class DiskTier:
             try:
                 if probe:
                     self._acquire_dir()
-                header = describe(key, obj, obj.checksum, written_ns=time.time_ns())
+                header, payload, raw_sum = encode_chunk(
+                    key, obj, self.codec, checksum=obj.checksum, written_ns=time.time_ns()
+                )
                 # Kept on the object, so a peer or another tier that needs it later
                 # does not hash the same bytes again.
-                obj.checksum = header.checksum
+                obj.checksum = raw_sum
                 hdr = header_buffer()
                 FILE_LAYOUT.pack_into(header, hdr)
-                write_file(tmp, [hdr, chunk_bytes(obj)], self.o_direct)
+                write_file(tmp, [hdr, memoryview(payload)], self.o_direct)
             finally:
                 obj.ref_down()  # the source buffer is free once the bytes are out
             os.rename(tmp, final)
@@ -471,13 +483,18 @@ class DiskTier:
             self._update_gauges()
             return
         self.stats.io_seconds["write"].observe(time.perf_counter() - t0)
-        self.stats.bytes_written.inc(entry.size)
+        self.stats.bytes_written.inc(FILE_LAYOUT.total_size(header))
         self.stats.puts["written"].inc()
         removed = False
         with self._lock:
             self._pending_puts -= 1
             if probe:
                 self._probing = False
+            # A compressed chunk took less than the room reserved for it.
+            size = FILE_LAYOUT.total_size(header)
+            if self._index.get(key) is entry:
+                self._used += size - entry.size
+            entry.size = size
             if entry.state is _State.DELETING:
                 removed = True  # removed while it was being written
             elif self._index.get(key) is entry:
@@ -626,6 +643,8 @@ class DiskTier:
         hdr = header_buffer()
         try:
             payload = chunk_bytes(obj)
+            if entry.compressed:  # read into a scratch buffer, decoded into obj below
+                payload = memoryview(bytearray(entry.size - FILE_LAYOUT.size))
             n = read_file(self._file(key), [hdr, payload], self.o_direct)
         except OSError as exc:
             obj.ref_down()
@@ -635,7 +654,7 @@ class DiskTier:
             self._read_failed(key, entry, exc)
             return None
         try:
-            header = self._verify(key, entry, hdr, payload, n)
+            _, checksum = self._verify(key, entry, hdr, payload, n, obj)
         except CorruptChunk as exc:
             obj.ref_down()
             self.misses.inc(MissReason.CHECKSUM)
@@ -645,17 +664,24 @@ class DiskTier:
             obj.ref_down()
             raise
         obj.key = key
-        obj.checksum = header.checksum
+        obj.checksum = checksum
         self.stats.io_seconds["read"].observe(time.perf_counter() - t0)
         self.stats.bytes_read.inc(n)
         self.stats.gets["hit"].inc()
         return obj
 
     def _verify(
-        self, key: ChunkKey, entry: _Entry, hdr: memoryview, payload: memoryview, n: int
-    ) -> ChunkHeader:
-        """The file's header once it and the payload pass every check; CorruptChunk
-        saying which failed otherwise."""
+        self,
+        key: ChunkKey,
+        entry: _Entry,
+        hdr: memoryview,
+        payload: memoryview,
+        n: int,
+        obj: MemoryObj,
+    ) -> tuple[ChunkHeader, int | None]:
+        """The file's header (and obj's checksum) once it and the payload pass every
+        check, the payload decoded into obj; CorruptChunk saying which failed
+        otherwise."""
         if n != entry.size:
             raise CorruptChunk(f"file holds {n} bytes, expected {entry.size}")
         try:
@@ -670,8 +696,7 @@ class DiskTier:
             entry.nbytes,
         ):
             raise CorruptChunk("header does not match the index (shape, dtype, format or length)")
-        check_payload(header, payload)
-        return header
+        return header, decode_chunk(header, payload, obj)
 
     def _corrupt(self, key: ChunkKey, entry: _Entry, problem: str) -> None:
         self.stats.corrupt.inc()

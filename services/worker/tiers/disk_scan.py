@@ -25,8 +25,8 @@ from kvmesh.common.chunk_codec import (
     ChunkHeader,
     CorruptChunk,
     check_key,
-    check_payload,
 )
+from kvmesh.common.codecs.stored import verify_stored
 from kvmesh.services.worker.tiers.disk_format import is_temp_file_name, key_of_file_name
 
 LOCK_FILE = ".lock"
@@ -113,7 +113,7 @@ def check_file(
             if size != expected:
                 raise CorruptChunk(f"size {size} != header + payload {expected}")
             if verify_payload:
-                check_payload(header, os.pread(fd, header.nbytes, FILE_LAYOUT.size))
+                verify_stored(header, os.pread(fd, size - FILE_LAYOUT.size, FILE_LAYOUT.size))
         except CorruptChunk as exc:
             problem = str(exc)
         return ScannedFile(name, size, mtime_ns, header, problem)

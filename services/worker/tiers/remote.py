@@ -31,6 +31,7 @@ import time
 from collections.abc import Sequence
 
 from kvmesh.common.chunk_codec import CODECS, Codec, CorruptChunk
+from kvmesh.common.codecs import codec_from_config
 from kvmesh.common.config import RemoteConfig
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import MemoryObj
@@ -85,6 +86,9 @@ class RemoteTier:
                 f"{'zstandard' if codec is Codec.ZSTD else 'lz4'} package"
             )
         self._codec = codec
+        self._codec_impl = codec_from_config(
+            codec.name.lower() if codec is not Codec.NONE else "none", config.cachegen
+        )
         self.stats = RemoteStats(metrics)
         self.misses = TierMisses(self.name, self.stats.metrics)
         # Keys this worker stored, fetched or saw in the remote: one of them missing
@@ -222,7 +226,7 @@ class RemoteTier:
                 header, packed, payload = encode(key, obj, checksum=known)
             else:  # checksum (and compression) of a large chunk: off the loop
                 header, packed, payload = await asyncio.to_thread(
-                    encode, key, obj, self._codec, self.config.compression_min_saving, known
+                    encode, key, obj, self._codec_impl, self.config.compression_min_saving, known
                 )
             # Kept on the object, so a peer or another tier that needs it later does
             # not hash the same bytes again.

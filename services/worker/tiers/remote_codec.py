@@ -9,16 +9,14 @@ the stored length, decompresses, and checks the raw bytes' length and checksum a
 they land in the L1 buffer. Anything that fails is `CorruptChunk`: a miss, never wrong
 KV.
 
-Compression (zstd level 1 or lz4) is kept only when it saves at least `min_saving` of
-the bytes; KV in fp16/bf16 rarely compresses much, so it is off by default.
+Compression (a codec from common/codecs/: zstd, lz4, or the lossy cachegen) is kept
+only when it saves at least `min_saving` of the bytes; KV in fp16/bf16 rarely
+compresses much losslessly, so it is off by default.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import threading
-from typing import Any
 
 import torch
 
@@ -28,31 +26,21 @@ from kvmesh.common.chunk_codec import (
     Codec,
     CorruptChunk,
     check_key,
-    check_payload,
-    chunk_bytes,
-    describe,
+    check_stored,
 )
+from kvmesh.common.codecs import Codec as ChunkCodec
+from kvmesh.common.codecs import codec_by_id
+from kvmesh.common.codecs.stored import decode_chunk, encode_chunk
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import MemoryObj
 from kvmesh.services.worker.tiers.base import Allocator
 
 # -- compression ----------------------------------------------------------------------------
 
-_local = threading.local()
-
-
-def _zstd() -> Any:
-    c = getattr(_local, "zstd", None)
-    if c is None:
-        import zstandard
-
-        c = _local.zstd = (zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor())
-    return c
-
 
 def available(codec: Codec) -> bool:
     try:
-        if codec is Codec.ZSTD:
+        if codec is Codec.ZSTD or codec is Codec.CACHEGEN:
             import zstandard  # noqa: F401
         elif codec is Codec.LZ4:
             import lz4.frame  # noqa: F401
@@ -61,49 +49,23 @@ def available(codec: Codec) -> bool:
     return True
 
 
-def compress(codec: Codec, data: memoryview) -> bytes:
-    if codec is Codec.ZSTD:
-        return _zstd()[0].compress(data)
-    if codec is Codec.LZ4:
-        import lz4.frame
-
-        return lz4.frame.compress(data)
-    raise ValueError(f"not a compressing codec: {codec!r}")
-
-
-def decompress(codec: Codec, data: memoryview | bytes, raw_len: int) -> bytes:
-    try:
-        if codec is Codec.ZSTD:
-            return _zstd()[1].decompress(data, max_output_size=raw_len)
-        if codec is Codec.LZ4:
-            import lz4.frame
-
-            return lz4.frame.decompress(data)
-    except Exception as exc:  # each library has its own error type
-        raise CorruptChunk(f"{codec.name.lower()} decompression failed: {exc}") from None
-    raise CorruptChunk(f"unknown codec {codec!r}")
-
-
 # -- encode / decode ------------------------------------------------------------------------
 
 
 def encode(
     key: ChunkKey,
     obj: MemoryObj,
-    codec: Codec = Codec.NONE,
+    codec: ChunkCodec | Codec | None = None,
     min_saving: float = 0.05,
     checksum: int | None = None,
 ) -> tuple[ChunkHeader, bytes, memoryview | bytes]:
     """(header, packed header, payload) for obj. The payload is a view of obj's own
-    bytes unless compression paid off; the caller keeps its reference until sent.
-    checksum, when the caller already has it, spares hashing the bytes again."""
-    header = describe(key, obj, checksum)
-    payload: memoryview | bytes = chunk_bytes(obj)
-    if codec is not Codec.NONE:
-        packed = compress(codec, payload)
-        if len(packed) <= len(payload) * (1.0 - min_saving):
-            payload = packed
-            header = dataclasses.replace(header, codec=codec, stored_nbytes=len(packed))
+    bytes unless the codec's form paid off; the caller keeps its reference until sent.
+    codec: a codec, or a codec id for its default settings. checksum, when the caller
+    already has it, spares hashing the bytes again."""
+    if isinstance(codec, Codec):
+        codec = None if codec is Codec.NONE else codec_by_id(codec)
+    header, payload, _ = encode_chunk(key, obj, codec, checksum=checksum, min_saving=min_saving)
     return header, VALUE_LAYOUT.pack(header), payload
 
 
@@ -113,25 +75,17 @@ def decode_into(
     """A new object from allocator holding the verified chunk (one reference, the
     caller's), None when the allocator has no room; CorruptChunk on a failed check."""
     check_key(header, key)
-    payload = memoryview(payload).cast("B")
-    if payload.nbytes != header.stored_nbytes:
-        raise CorruptChunk(f"payload of {payload.nbytes} bytes, header says {header.stored_nbytes}")
-    if header.codec is not Codec.NONE:
-        payload = memoryview(decompress(header.codec, payload, header.nbytes))
-        if payload.nbytes != header.nbytes:
-            raise CorruptChunk("decompressed length does not match the header")
+    check_stored(header, payload)
     obj = allocator.allocate(torch.Size(header.shape), header.dtype, header.fmt)
     if obj is None:
         return None
     try:
-        dst = chunk_bytes(obj)
-        dst[:] = payload
-        check_payload(header, dst)
+        checksum = decode_chunk(header, payload, obj)
     except BaseException:
         obj.ref_down()
         raise
     obj.key = key
-    obj.checksum = header.checksum
+    obj.checksum = checksum
     return obj
 
 

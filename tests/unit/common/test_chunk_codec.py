@@ -214,8 +214,8 @@ def test_headers_reject_inconsistent_fields() -> None:
         VALUE_LAYOUT.parse(VALUE_LAYOUT.pack(header(stored_nbytes=10)))
     with pytest.raises(CorruptChunk, match="magic"):
         VALUE_LAYOUT.parse(FILE_LAYOUT.pack(header()))  # one layout is never the other
-    with pytest.raises(ValueError, match="uncompressed"):
-        FILE_LAYOUT.pack(header(codec=Codec.ZSTD, stored_nbytes=10))
+    with pytest.raises(ValueError, match="uncompressed"):  # version 1 has no codec field
+        chunk_codec.FILE_LAYOUT_V1.pack(header(codec=Codec.ZSTD, stored_nbytes=10))
 
 
 # --- the checksum --------------------------------------------------------------------------

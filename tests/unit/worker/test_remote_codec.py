@@ -33,7 +33,7 @@ def chunk(pool: HostMemoryPool, compressible: bool = False, dtype=torch.float16)
     return obj
 
 
-@pytest.mark.parametrize("codec", list(Codec), ids=lambda c: c.name)
+@pytest.mark.parametrize("codec", [c for c in Codec if c.lossless], ids=lambda c: c.name)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 def test_round_trip_is_bitwise_exact(pool, codec: Codec, dtype) -> None:
     src = chunk(pool, compressible=True, dtype=dtype)

@@ -1,0 +1,210 @@
+"""A CacheGen-style lossy codec for KV chunks: per-layer, per-channel quantisation,
+deltas between neighbouring tokens, then entropy coding.
+
+1. **Canonical view.** The chunk is seen, without a copy, as [layers, K/V, tokens,
+   channels] (`_view`: the memory format says which axis is which; an MLA latent has
+   one "K/V" slot). A single-layer chunk (the layer-by-layer formats) counts as an
+   early layer and gets the most bits.
+2. **Bits per layer.** The layers are split into `len(layer_bits)` equal bands, first
+   band first: the default (8, 6, 4) gives the first third 8 bits, the middle third 6
+   and the last third 4, because errors in early layers travel through every later
+   one (CacheGen's observation).
+3. **Per-channel quantisation.** For each (layer, K/V, channel) the chunk's minimum
+   and step ((max - min) / (2^bits - 1)) over its tokens, stored as float32; values
+   become integer codes round((x - min) / step). Per channel, because KV channels
+   differ in range by orders of magnitude (outlier channels) while one channel is
+   similar across tokens. The error is at most step / 2 per value.
+4. **Token deltas.** Neighbouring tokens are similar, so each code is stored as its
+   difference from the previous token's code, modulo 2^bits. The difference is taken
+   between integer codes, after quantisation, so decoding (a running sum) gives back
+   the codes exactly: no error accumulates along the chunk, unlike deltas of values.
+5. **Entropy coding.** The deltas, one byte each, token-major, go through zstd, one
+   frame per band. zstd's Huffman stage codes each byte in about its entropy, which
+   is what CacheGen's arithmetic coder achieves up to a few percent; zstd is already
+   a dependency and decodes at GB/s in C, while an arithmetic coder in Python would
+   not, and decode speed is this codec's goal.
+
+Payload: the params frame (base.pack_params), then per band: minimum and step
+(float32, [layers in band, K/V, channels] each), the u32 length of the zstd frame,
+the frame (its content is [tokens, layers in band, K/V, channels] uint8).
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from typing import Annotated, Any
+
+import msgspec
+import torch
+import zstandard
+
+from kvmesh.common.codecs.base import (
+    Codec,
+    CodecError,
+    CodecId,
+    KVLayout,
+    as_tensor,
+    pack_params,
+    unpack_params,
+)
+from kvmesh.common.memory import MemoryFormat
+
+Bits = Annotated[int, msgspec.Meta(ge=1, le=8)]
+_LEN = struct.Struct("<I")
+# Tokens dequantised per step: a block's float32 temporaries stay in the CPU's cache.
+_BLOCK_TOKENS = 8
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FORMATS = (MemoryFormat.KV_2LTD, MemoryFormat.KV_2TD, MemoryFormat.KV_T2D, MemoryFormat.KV_MLA)
+
+
+class CacheGenParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The settings a cachegen payload was written with (stored in it)."""
+
+    layer_bits: Annotated[tuple[Bits, ...], msgspec.Meta(min_length=1, max_length=64)] = (8, 6, 4)
+    """Bits per value for each equal band of layers, first layers first."""
+    zstd_level: Annotated[int, msgspec.Meta(ge=1, le=19)] = 1
+    """zstd level of the entropy stage (higher: slower writes, a few % smaller)."""
+
+
+def _view(t: torch.Tensor, fmt: MemoryFormat) -> torch.Tensor:
+    """t as [layers, K/V, tokens, channels], a view."""
+    if fmt is MemoryFormat.KV_2LTD:
+        return t.permute(1, 0, 2, 3)
+    if fmt is MemoryFormat.KV_2TD:
+        return t.unsqueeze(0)
+    if fmt is MemoryFormat.KV_T2D:
+        return t.permute(1, 0, 2).unsqueeze(0)
+    if fmt is MemoryFormat.KV_MLA:
+        return t.unsqueeze(1)
+    raise ValueError(f"cachegen does not encode {fmt.name} chunks")
+
+
+def _bands(layers: int, layer_bits: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(first layer, end layer, bits) of each non-empty band."""
+    n = len(layer_bits)
+    out: list[tuple[int, int, int]] = []
+    for b, bits in enumerate(layer_bits):
+        lo, hi = -(-b * layers // n), -(-(b + 1) * layers // n)
+        if hi > lo:
+            out.append((lo, hi, bits))
+    return out
+
+
+class CacheGenCodec(Codec):
+    id = CodecId.CACHEGEN
+    name = "cachegen"
+    lossless = False
+
+    def __init__(self, params: CacheGenParams | None = None) -> None:
+        self._params = params or CacheGenParams()
+        self._frame = pack_params(self._params)
+        self._local = threading.local()
+
+    @property
+    def params(self) -> CacheGenParams:
+        return self._params
+
+    def _zstd(self) -> tuple[Any, Any]:
+        pair = getattr(self._local, "pair", None)
+        if pair is None:
+            pair = self._local.pair = (
+                zstandard.ZstdCompressor(level=self._params.zstd_level),
+                zstandard.ZstdDecompressor(),
+            )
+        return pair
+
+    def supports(self, layout: KVLayout) -> bool:
+        return (
+            layout.fmt in _FORMATS
+            and layout.torch_dtype in _FLOAT_DTYPES
+            and len(layout.shape) == (3 if layout.fmt != MemoryFormat.KV_2LTD else 4)
+        )
+
+    # -- encode ---------------------------------------------------------------------------
+    def encode(self, data: torch.Tensor | memoryview | bytes, layout: KVLayout) -> bytes:
+        if not self.supports(layout):
+            raise ValueError(f"cachegen does not encode {layout}")
+        v = _view(as_tensor(data, layout), layout.memory_format)
+        parts = [self._frame]
+        compressor = self._zstd()[0]
+        for lo, hi, bits in _bands(v.shape[0], self._params.layer_bits):
+            x = v[lo:hi].to(torch.float32, copy=True)  # [l, kv, T, C], worked in place
+            if not bool(torch.isfinite(x).all()):
+                raise ValueError("cachegen cannot quantise non-finite values")
+            levels = (1 << bits) - 1
+            lo_v = x.amin(dim=2, keepdim=True)
+            step = (x.amax(dim=2, keepdim=True) - lo_v) / levels
+            step = torch.where(step > 0, step, torch.ones_like(step))
+            q = x.sub_(lo_v).div_(step).round_().clamp_(0, levels).to(torch.uint8)
+            q = q.permute(2, 0, 1, 3).contiguous()  # token-major: deltas run along rows
+            d = q.clone()
+            d[1:] -= q[:-1]  # uint8 arithmetic wraps: a difference modulo 256
+            d &= levels
+            frame = compressor.compress(d.numpy().tobytes())
+            parts += [
+                lo_v.squeeze(2).contiguous().numpy().tobytes(),
+                step.squeeze(2).contiguous().numpy().tobytes(),
+                _LEN.pack(len(frame)),
+                frame,
+            ]
+        return b"".join(parts)
+
+    # -- decode ---------------------------------------------------------------------------
+    def decode(
+        self, payload: memoryview | bytes, layout: KVLayout, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if not self.supports(layout):
+            raise CodecError(f"cachegen payload for an unsupported layout {layout}")
+        params, rest = unpack_params(memoryview(payload).cast("B"), CacheGenParams)
+        if out is None:
+            out = torch.empty(layout.shape, dtype=layout.torch_dtype)
+        elif tuple(out.shape) != layout.shape or out.dtype != layout.torch_dtype:
+            raise ValueError(f"out {tuple(out.shape)} {out.dtype} does not match {layout}")
+        v = _view(out, layout.memory_format)
+        _, kv, tokens, channels = v.shape
+        decompressor = self._zstd()[1]
+        pos = 0
+        for lo, hi, bits in _bands(v.shape[0], params.layer_bits):
+            n_side = (hi - lo) * kv * channels
+            need = 2 * 4 * n_side + _LEN.size
+            if pos + need > rest.nbytes:
+                raise CodecError("cachegen payload truncated")
+            side = torch.frombuffer(bytearray(rest[pos : pos + 8 * n_side]), dtype=torch.float32)
+            lo_v, step = side.view(2, hi - lo, kv, channels).unbind(0)
+            pos += 8 * n_side
+            (n,) = _LEN.unpack_from(rest, pos)
+            pos += _LEN.size
+            if pos + n > rest.nbytes:
+                raise CodecError("cachegen payload truncated")
+            want = tokens * n_side
+            try:
+                raw = decompressor.decompress(rest[pos : pos + n], max_output_size=want)
+            except zstandard.ZstdError as exc:
+                raise CodecError(f"cachegen entropy stage: {exc}") from None
+            pos += n
+            if len(raw) != want:
+                raise CodecError(f"cachegen band holds {len(raw)} codes, expected {want}")
+            q = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(
+                tokens, hi - lo, kv, channels
+            )
+            self._dequantise(q, (1 << bits) - 1, lo_v, step, v[lo:hi])
+        if pos != rest.nbytes:
+            raise CodecError(f"{rest.nbytes - pos} bytes after the last cachegen band")
+        return out
+
+    @staticmethod
+    def _dequantise(
+        q: torch.Tensor, levels: int, lo_v: torch.Tensor, step: torch.Tensor, dst: torch.Tensor
+    ) -> None:
+        """Undo the deltas (a running sum over tokens, modulo 256, then the band's bit
+        mask) and the quantisation of q [T, l, kv, C] into dst [l, kv, T, C], a block
+        of tokens at a time so the temporaries stay in cache."""
+        tokens = q.shape[0]
+        for t in range(1, tokens):  # each row is contiguous: one fast add per token
+            q[t] += q[t - 1]
+        q &= levels
+        dst_t = dst.permute(2, 0, 1, 3)
+        for t0 in range(0, tokens, _BLOCK_TOKENS):
+            t1 = min(tokens, t0 + _BLOCK_TOKENS)
+            torch.addcmul(lo_v, q[t0:t1].float(), step, out=dst_t[t0:t1])
