@@ -36,6 +36,7 @@ VALUE_SETS: dict[str, list[str]] = {
     "redis-remote": ["-f", str(CI_VALUES / "redis-remote.yaml")],
     "pd": ["-f", str(CI_VALUES / "pd.yaml")],
     "podman": ["-f", str(CI_VALUES / "podman.yaml")],
+    "secure": ["-f", str(CI_VALUES / "pd.yaml"), "-f", str(CI_VALUES / "secure.yaml")],
 }
 
 

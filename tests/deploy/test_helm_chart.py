@@ -57,6 +57,7 @@ from deploy_helm import (
 from kvmesh.common.config import ConfigError, load_config
 
 CONFIG_PATH = "/etc/kvmesh/kvmesh.yaml"
+DASHBOARD_FILE = CHART / "dashboards" / "kvmesh.json"
 POD_IP = "10.1.2.3"
 SETS = list(VALUE_SETS)
 # podman.yaml moves every port up by 10000 (a compose mesh may hold the defaults).
@@ -139,6 +140,8 @@ EXPECTED = {
         ("Service", "prefiller-headless"), ("Service", "decoder-headless"),
     },
 }  # fmt: skip
+# secure.yaml adds Secrets' mounts (no object) and the dashboard's ConfigMap to pd.yaml.
+EXPECTED["secure"] = EXPECTED["pd"] | {("ConfigMap", "dashboard")}
 
 
 @pytest.mark.parametrize("value_set", SETS)
@@ -595,6 +598,11 @@ def test_notes_render(helm: str, value_set: str, tmp_path: Path) -> None:
         assert f"svc/{full_name('bridge')} 7630" in text
     if value_set == "redis-remote":
         assert "redis://redis-master.redis.svc:6379/2" in text and "ServiceMonitors" in text
+    if value_set == "secure":
+        assert "CURVE: on" in text and "Secret kvmesh-curve" in text
+        assert "Authorization: Bearer" in text and full_name("dashboard") in text
+    else:
+        assert "CURVE" not in text and "Bearer" not in text
 
 
 # --- the values schema and the templates' own checks ---------------------------------------
@@ -617,6 +625,10 @@ BAD_VALUES = [
     ({"config": {"cacheserver": {"max_memory": "lots"}}}, "config.cacheserver.max_memory"),
     ({"config": {"engine": {"l1": {"eviction_policy": "lifo"}}}}, "engine.l1.eviction_policy"),
     ({"config": {"enigne": {}}}, "enigne"),
+    ({"security": {"existingSecret": True}}, "security.existingSecret"),
+    ({"security": {"existingSecert": "x"}}, "existingSecert"),
+    ({"security": {"httpTokenSecret": {"name": "t", "key": ""}}}, "security.httpTokenSecret.key"),
+    ({"grafanaDashboard": {"enabled": "yes"}}, "grafanaDashboard.enabled"),
 ]  # fmt: skip
 
 
@@ -648,6 +660,11 @@ TEMPLATE_ERRORS = [
     ({"bridge": {"enabled": True}}, "bridge.enabled needs decoders"),
     ({"pd": {"enabled": True}, "worker": {"kind": "Deployment"}},
      "pd.enabled needs worker.kind StatefulSet"),
+    ({"security": {"existingSecret": "k"}, "config": {"security": {"server_key": "/k"}}},
+     "config.security.server_key is set by the chart; set security.existingSecret"),
+    ({"security": {"httpTokenSecret": {"name": "t"}},
+      "config": {"security": {"http_token_file": "/t"}}},
+     "config.security.http_token_file is set by the chart; set security.httpTokenSecret"),
 ]  # fmt: skip
 
 
@@ -681,3 +698,107 @@ def test_values_yaml_is_schema_valid_and_documented() -> None:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert schema["additionalProperties"] is False
     assert set(values) == set(schema["properties"])
+
+
+# --- security: CURVE keys and the HTTP token from Secrets -----------------------------------
+
+KEYS_DIR = "/etc/kvmesh-keys"
+TOKEN_DIR = "/etc/kvmesh-token"
+
+
+def _secret_volumes(w: dict) -> dict[str, dict]:
+    """volume name -> its secret source, of a workload's pod."""
+    return {v["name"]: v["secret"] for v in pod_spec(w).get("volumes", []) if "secret" in v}
+
+
+@pytest.mark.parametrize("value_set", SETS)
+def test_security_secrets_mounted_read_only_in_every_pod(rendered: dict, value_set: str) -> None:
+    docs = rendered[value_set]
+    secure = value_set == "secure"
+    assert len(workloads(docs)) >= (6 if secure else 3)
+    for w in workloads(docs):
+        secrets = _secret_volumes(w)
+        c = container(w)
+        mounts = {m["name"]: m for m in c.get("volumeMounts", [])}
+        if not secure:
+            assert "curve-keys" not in secrets and "curve-keys" not in mounts, w["kind"]
+            continue
+        name = w["metadata"]["name"]
+        assert secrets["curve-keys"]["secretName"] == "kvmesh-curve", name
+        assert secrets["http-token"]["secretName"] == "kvmesh-admin-token", name
+        assert secrets["http-token"]["items"] == [{"key": "token", "path": "token"}], name
+        for vol in ("curve-keys", "http-token"):
+            # Owner and group read only: never world-readable secret keys.
+            assert secrets[vol]["defaultMode"] == 0o440, (name, vol)
+            assert mounts[vol]["readOnly"] is True, (name, vol)
+        assert mounts["curve-keys"]["mountPath"] == KEYS_DIR
+        assert mounts["http-token"]["mountPath"] == TOKEN_DIR
+        # Not inside the ConfigMap's read-only volume (a mount point can't be made there).
+        assert not KEYS_DIR.startswith(mounts["config"]["mountPath"] + "/")
+
+
+@pytest.mark.parametrize("value_set", SETS)
+def test_security_config_points_at_the_mounted_keys(
+    rendered: dict, value_set: str, tmp_path: Path
+) -> None:
+    sec = _load(tmp_path, rendered[value_set]).security
+    if value_set != "secure":
+        assert not sec.curve and not sec.http_token_file
+        return
+    assert sec.curve
+    assert sec.server_key == f"{KEYS_DIR}/server.key_secret"
+    assert sec.client_key == f"{KEYS_DIR}/client.key_secret"
+    assert sec.allowed_clients == KEYS_DIR
+    assert sec.http_token_file == f"{TOKEN_DIR}/token"
+
+
+def test_documented_secret_layout_loads_with_kvmesh(rendered: dict, tmp_path: Path) -> None:
+    """The keys `kvmesh keys generate` writes, laid out as the documented
+    `kubectl create secret` puts them in the mount (plus the kubelet's ..data
+    entries), load as every pod loads them: servers and clients both."""
+    import msgspec
+    from click.testing import CliRunner
+
+    from kvmesh.common.transport.curve import load_curve
+    from kvmesh.services.cli.main import cli
+
+    gen = tmp_path / "generated"
+    for name in ("server", "client", "admin"):
+        out = CliRunner().invoke(cli, ["keys", "generate", str(gen), "--name", name])
+        assert out.exit_code == 0, out.output
+    mount = tmp_path / "mount"
+    data = mount / "..2026_01_01_00_00_00.000000000"
+    data.mkdir(parents=True)
+    (mount / "..data").symlink_to(data.name)
+    for f in ("server.key_secret", "client.key_secret", "client.key", "admin.key"):
+        (data / f).write_bytes((gen / f).read_bytes())
+        (mount / f).symlink_to(f"..data/{f}")
+    sec = _load(tmp_path, rendered["secure"]).security
+    local = msgspec.structs.replace(
+        sec,
+        server_key=sec.server_key.replace(KEYS_DIR, str(mount)),
+        client_key=sec.client_key.replace(KEYS_DIR, str(mount)),
+        allowed_clients=sec.allowed_clients.replace(KEYS_DIR, str(mount)),
+        http_token_file="",
+    )
+    keys = load_curve(local, server=True, client=True)
+    assert keys is not None and keys.server_secret and keys.client_secret
+    public = {
+        (gen / f"{n}.key").read_text().split('public-key = "')[1].split('"')[0].encode()
+        for n in ("client", "admin")
+    }
+    assert keys.allowed == public  # every *.key in the Secret, and no other file
+
+
+def test_grafana_dashboard_configmap(rendered: dict) -> None:
+    dash = DASHBOARD_FILE.read_text()
+    for value_set in SETS:
+        maps = [d for d in of_kind(rendered[value_set], "ConfigMap")
+                if d["metadata"]["name"] == full_name("dashboard")]  # fmt: skip
+        if value_set != "secure":
+            assert not maps, value_set
+            continue
+        (cm,) = maps
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert cm["metadata"]["labels"]["team"] == "inference"
+        assert json.loads(cm["data"]["kvmesh.json"]) == json.loads(dash)

@@ -134,6 +134,14 @@ engine.remote.url: remote.backend and remote.url or remote.redis
 engine.disk.enabled: worker.disk.enabled
 engine.disk.path: worker.disk
 engine.pd.role: "pd.enabled (set per StatefulSet)"
+{{- if .Values.security.existingSecret }}
+security.server_key: "security.existingSecret (the chart mounts its keys)"
+security.client_key: "security.existingSecret (the chart mounts its keys)"
+security.allowed_clients: "security.existingSecret (the chart mounts its keys)"
+{{- end }}
+{{- if .Values.security.httpTokenSecret.name }}
+security.http_token_file: security.httpTokenSecret
+{{- end }}
 {{- if .Values.pd.enabled }}
 bridge.prefillers: pd.prefiller.replicas
 bridge.decoders: pd.decoder.replicas
@@ -164,6 +172,29 @@ bridge.decoders: pd.decoder.replicas
 {{- define "kvmesh.snapshotDir" -}}/var/lib/kvmesh{{- end -}}
 {{- define "kvmesh.spillDir" -}}/var/cache/kvmesh-cacheserver{{- end -}}
 {{- define "kvmesh.diskDir" -}}/var/cache/kvmesh{{- end -}}
+{{- /* Not under /etc/kvmesh: that is the ConfigMap's (read-only) volume. */ -}}
+{{- define "kvmesh.keysDir" -}}/etc/kvmesh-keys{{- end -}}
+{{- define "kvmesh.tokenDir" -}}/etc/kvmesh-token{{- end -}}
+
+{{/*
+The security: section for the mounted Secrets: CURVE keys from security.existingSecret
+(the mesh's server key pair, the clients' key pair, and every *.key in it as an
+allowed client), the HTTP admin token from security.httpTokenSecret.
+*/}}
+{{- define "kvmesh.securityConfig" -}}
+{{- $s := .Values.security -}}
+{{- $out := dict -}}
+{{- if $s.existingSecret -}}
+{{- $dir := include "kvmesh.keysDir" . -}}
+{{- $_ := set $out "server_key" (printf "%s/server.key_secret" $dir) -}}
+{{- $_ := set $out "client_key" (printf "%s/client.key_secret" $dir) -}}
+{{- $_ := set $out "allowed_clients" $dir -}}
+{{- end -}}
+{{- if $s.httpTokenSecret.name -}}
+{{- $_ := set $out "http_token_file" (printf "%s/%s" (include "kvmesh.tokenDir" .) $s.httpTokenSecret.key) -}}
+{{- end -}}
+{{- toYaml $out -}}
+{{- end -}}
 
 {{/*
 kvmesh.yaml: the config: block, plus the keys the chart owns. Per-pod keys (the pod's
@@ -214,20 +245,56 @@ IP, the PD role) come from KVMESH_* variables set on the pods (kvmesh.engineEnv)
       "remote" (dict "enabled" (ne $remoteUrl "") "url" $remoteUrl)
       "disk" (dict "enabled" $v.worker.disk.enabled "path" (ternary (include "kvmesh.diskDir" .) "" $v.worker.disk.enabled)) -}}
 {{- $owned := dict "controller" $controller "lookup" $lookup "cacheserver" $cacheserver "bridge" $bridge "engine" $engine -}}
+{{- $security := include "kvmesh.securityConfig" . | fromYaml -}}
+{{- if $security -}}
+{{- $_ := set $owned "security" $security -}}
+{{- end -}}
 {{- toYaml (mergeOverwrite $cfg $owned) -}}
 {{- end -}}
 
-{{/* A kvmesh.yaml volume and its mount, for every pod. */}}
+{{/*
+A kvmesh.yaml volume and its mount, for every pod; with them the security Secrets
+(CURVE keys, the HTTP token), read-only, where the security: section points.
+The files are 0440: readable by root and, under a non-root runAsUser, by the pod's
+fsGroup (set podSecurityContext.fsGroup then).
+*/}}
 {{- define "kvmesh.configVolume" -}}
 - name: config
   configMap:
     name: {{ include "kvmesh.fullname" . }}-config
+{{- with .Values.security.existingSecret }}
+- name: curve-keys
+  secret:
+    secretName: {{ . }}
+    defaultMode: 0440
+{{- end }}
+{{- with .Values.security.httpTokenSecret }}
+{{- if .name }}
+- name: http-token
+  secret:
+    secretName: {{ .name }}
+    defaultMode: 0440
+    items:
+      - key: {{ .key }}
+        path: {{ .key }}
+{{- end }}
+{{- end }}
 {{- end -}}
 
 {{- define "kvmesh.configMount" -}}
 - name: config
   mountPath: /etc/kvmesh
   readOnly: true
+{{- if .Values.security.existingSecret }}
+- name: curve-keys
+  mountPath: {{ include "kvmesh.keysDir" . }}
+  readOnly: true
+{{- end }}
+{{- if .Values.security.httpTokenSecret.name }}
+- name: http-token
+  mountPath: {{ include "kvmesh.tokenDir" . }}
+  readOnly: true
+{{- end }}
 {{- end -}}
 
 {{/* Environment every kvmesh container gets; then the component's extraEnv. */}}
