@@ -36,6 +36,7 @@ from kvmesh.common.observability import get_logger
 from kvmesh.services.bridge.backends import Backend, BackendPool, describe
 from kvmesh.services.bridge.openai import BadRequest, Endpoint, error_json, parse_request
 from kvmesh.services.bridge.prefix_lookup import LookupFailed, PrefixLookup
+from kvmesh.services.bridge.request_ids import REQUEST_ID, client_request_id
 from kvmesh.services.bridge.rewrite import decode_body, prefill_body
 from kvmesh.services.bridge.routing import Choice, PrefixHits, choose, whole_prompt_tokens
 from kvmesh.services.bridge.stats import BridgeStats
@@ -94,10 +95,17 @@ class Proxy:
             self.stats.request(endpoint, "no_decoder")
             return error_response(503, "the bridge has no decoder configured")
         transfer_id = uuid.uuid4().hex
+        # The client's request id when it sent a usable one, else the transfer id: it
+        # goes to the prefiller and the decoder (vLLM names its request after it, and
+        # kvmesh's connector logs that name), back to the client, and on every line
+        # logged here for the request.
+        request_id = client_request_id(request) or transfer_id
         headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
         headers["Content-Type"] = "application/json"
-        headers["X-Request-Id"] = transfer_id
-        with structlog.contextvars.bound_contextvars(transfer_id=transfer_id):
+        headers[REQUEST_ID] = request_id
+        with structlog.contextvars.bound_contextvars(
+            request_id=request_id, transfer_id=transfer_id
+        ):
             try:
                 hits, route_fallback = await self._lookup(endpoint, body, headers)
             except asyncio.CancelledError:
@@ -324,10 +332,15 @@ class Proxy:
                     return self._decode_failed(endpoint, decoder, exc)
                 self.stats.decode_ttfb.observe(time.perf_counter() - t0)
                 self.stats.request(endpoint, outcome)
+                log.debug("request answered", status=resp.status, outcome=outcome)
                 return web.Response(
-                    status=resp.status, body=answer, headers={"Content-Type": content_type}
+                    status=resp.status,
+                    body=answer,
+                    headers={"Content-Type": content_type, REQUEST_ID: headers[REQUEST_ID]},
                 )
-            return await self._stream(request, endpoint, decoder, resp, t0, outcome)
+            return await self._stream(
+                request, endpoint, decoder, resp, t0, outcome, headers[REQUEST_ID]
+            )
 
     async def _stream(
         self,
@@ -337,6 +350,7 @@ class Proxy:
         resp: aiohttp.ClientResponse,
         t0: float,
         outcome: str,
+        request_id: str,
     ) -> web.StreamResponse:
         chunks = resp.content.iter_any()
         # The client's headers wait for the decoder's first chunk: until then a
@@ -348,7 +362,12 @@ class Proxy:
         self.stats.decode_ttfb.observe(time.perf_counter() - t0)
         content_type = resp.headers.get("Content-Type", SSE)
         out = web.StreamResponse(
-            status=resp.status, headers={"Content-Type": content_type, "Cache-Control": "no-cache"}
+            status=resp.status,
+            headers={
+                "Content-Type": content_type,
+                "Cache-Control": "no-cache",
+                REQUEST_ID: request_id,
+            },
         )
         await out.prepare(request)
         try:
@@ -369,6 +388,7 @@ class Proxy:
             with contextlib.suppress(ConnectionResetError):
                 await out.write(b"data: " + error_json(status, message) + b"\n\n")
         self.stats.request(endpoint, outcome)
+        log.debug("request streamed", status=resp.status, outcome=outcome)
         with contextlib.suppress(ConnectionResetError):
             await out.write_eof()
         return out

@@ -1,16 +1,22 @@
 """Request and lookup ids across processes: a pinned lookup through the lookup-server
 (`kvmesh serve lookup`) reaches a worker engine in another process, and both
-processes' JSON log lines for it carry the same `lookup_id`."""
+processes' JSON log lines for it carry the same `lookup_id`; the bridge takes the
+client's X-Request-Id (or makes one), logs under it and passes it to the prefiller and
+the decoder."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import urllib.error
+import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
+from kvtest.bridge import BridgeProcess
 from kvtest.controller import ControllerProcess, tokens
+from kvtest.http_backend import HttpBackend
 from kvtest.remote import free_port
 from kvtest.service_process import KvmeshService, KvtestProcess
 from kvtest.waiting import wait_for
@@ -103,3 +109,60 @@ def test_a_pinned_lookup_carries_its_id_in_both_processes_logs(mesh) -> None:
     assert answered and answered[0]["hit_tokens"] == 32 and answered[0]["per_rank"] == [32]
     assert answered[0]["service"] == "lookup"
     assert any(r["event"] == "lookup released" for r in worker_lines)
+
+
+def post(url: str, body: dict, headers: dict[str, str]) -> tuple[int, dict[str, str]]:
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json", **headers}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, dict(resp.headers)
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers)
+
+
+@pytest.fixture
+def bridge(tmp_path: Path):
+    # Stand-ins that answer 500: the prefill fails (the bridge falls back to the
+    # decoder), the decode's 500 goes back to the client. Both record what they got.
+    prefiller, decoder = HttpBackend("fail").start(), HttpBackend("fail").start()
+    proc = BridgeProcess(
+        tmp_path, prefillers=[prefiller.url], decoders=[(decoder.url, ["tcp://127.0.0.1:7650"])]
+    )
+    proc.env.update(DEBUG_JSON)
+    try:
+        proc.start()
+        yield proc, prefiller, decoder
+    finally:
+        proc.stop()
+        prefiller.stop()
+        decoder.stop()
+
+
+def test_the_bridge_takes_or_makes_a_request_id_and_passes_it_on(bridge) -> None:
+    proc, prefiller, decoder = bridge
+    url = proc.url + "/v1/completions"
+    body = {"prompt": "hello", "max_tokens": 4}
+
+    status, headers = post(url, body, {"X-Request-Id": "client-7f3a"})
+    assert status == 500  # the decoder's own answer, passed back
+    assert headers["X-Request-Id"] == "client-7f3a"
+    assert prefiller.requests[-1].headers["X-Request-Id"] == "client-7f3a"
+    assert decoder.requests[-1].headers["X-Request-Id"] == "client-7f3a"
+    lines = wait_for(
+        lambda: lines_with(proc.log, "request_id", "client-7f3a") or None, 10, "bridge lines"
+    )
+    events = {r["event"] for r in lines}
+    assert "prefill failed, the decoder prefills itself" in events
+    assert "request answered" in events
+    assert all(len(r["transfer_id"]) == 32 for r in lines)
+
+    # No id, or one unfit for logs and vLLM's request names: the bridge makes one.
+    for sent in ({}, {"X-Request-Id": "has a space"}, {"X-Request-Id": "x" * 129}):
+        status, headers = post(url, body, sent)
+        made = headers["X-Request-Id"]
+        assert len(made) == 32 and int(made, 16) >= 0, sent
+        assert prefiller.requests[-1].headers["X-Request-Id"] == made
+        assert decoder.requests[-1].headers["X-Request-Id"] == made
+        wait_for(lambda m=made: lines_with(proc.log, "request_id", m), 10, "bridge lines")
