@@ -521,6 +521,10 @@ def send_http(host: str, port: int, req: HttpRequest, timeout: float = REPLY_S) 
     if not data:
         assert not req.complete, f"closed unanswered: {raw[:300]!r}"
         return None
+    request_line = f"{req.method} {req.path} {req.version}".split()
+    http1 = len(request_line) == 3 and req.version in ("HTTP/1.0", "HTTP/1.1")
+    if not http1 and not data.startswith(b"HTTP/"):
+        return None  # not an HTTP/1 request line: the stdlib answers as HTTP/0.9 would
     line = data.split(b"\r\n", 1)[0].split()
     assert len(line) >= 2 and line[0].startswith(b"HTTP/") and line[1].isdigit(), data[:200]
     status = int(line[1])
