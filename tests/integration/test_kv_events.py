@@ -232,6 +232,58 @@ def test_missed_messages_come_back_through_replay(controller: ControllerProcess)
         eng.close()
 
 
+def test_changes_nobody_heard_open_a_new_epoch(controller: ControllerProcess) -> None:
+    """The only subscriber leaves, chunks are stored, it comes back: those changes were
+    never published, so the feed starts a new epoch and the subscriber is told."""
+    eng = build_engine("E", controller.url)
+    ctx = zmq.Context()
+    try:
+        raw = raw_sub(ctx, controller.events_url)
+        subscribed(controller)
+        toks = tokens(6 * CHUNK, 9)
+        store(eng, toks[: 2 * CHUNK])
+        before = recv_events(raw, 2)
+        old = health(controller)["event_feed"]
+        raw.close(0)  # the XPUB hears the unsubscription of a closed connection
+        wait_for(lambda: health(controller)["event_feed"]["topics"] == 0, what="unsubscribed")
+        store(eng, toks[: 4 * CHUNK])  # nobody hears this
+        wait_for(lambda: chunk_count(controller, "E/0") == 4, what="the unheard admits")
+        assert health(controller)["event_feed"]["seq"] == old["seq"]  # nothing published
+        raw = raw_sub(ctx, controller.events_url)
+        subscribed(controller)
+        store(eng, toks)
+        after = recv_events(raw, 2)
+        raw.close(0)
+        new = health(controller)["event_feed"]
+        assert new["epoch"] != old["epoch"] and kv.decode_seq(after[0][1]) == 1
+
+        async def main() -> list:
+            follower = KvEventsSubscriber(controller.events_url, controller.replay_url)
+            try:
+                out: list = []
+                for f in before + after:
+                    out += await follower.accept(f)
+                return out
+            finally:
+                await follower.close()
+
+        out = asyncio.run(main())
+        lost = [i for i in out if isinstance(i, Lost)]
+        assert len(lost) == 1 and lost[0].reason == "controller epoch changed"
+        assert [d.seq for d in out if isinstance(d, Delivery)] == [
+            kv.decode_seq(f[1]) for f in before + after
+        ]
+    finally:
+        ctx.term()
+        eng.close()
+
+
+def chunk_count(ctl: ControllerProcess, worker: str) -> int:
+    with urllib.request.urlopen(f"{ctl.http}/workers", timeout=5) as resp:
+        workers = json.loads(resp.read())
+    return sum(sum(w["chunks"].values()) for w in workers if w["worker_id"] == worker)
+
+
 def test_too_old_and_malformed_replays(tmp_path: Path) -> None:
     ctl = ControllerProcess(tmp_path, snapshot=False, events=True)
     ctl.env["KVMESH_CONTROLLER__EVENTS_REPLAY_SIZE"] = "4"

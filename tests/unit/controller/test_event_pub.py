@@ -3,6 +3,9 @@ prev_seq, nothing done while nobody listens, and a new epoch after a silence."""
 
 from __future__ import annotations
 
+import pytest
+
+from kvmesh.common.config import ConfigError, load_config
 from kvmesh.common.observability import Metrics
 from kvmesh.common.protocol import kv_events as kv
 from kvmesh.services.controller.event_pub import EventPublisher
@@ -83,3 +86,14 @@ def test_nobody_listening_costs_nothing_then_a_new_epoch() -> None:
     assert pub.epoch != epoch and pub.seq == 1
     ((seq, _, payload),) = kept(pub)
     assert (seq, payload.prev_seq, payload.epoch) == (1, 0, pub.epoch)
+
+
+def test_a_replay_port_needs_the_feed() -> None:
+    with pytest.raises(ConfigError, match="events_replay_port"):
+        load_config(None, env={}, overrides={"controller.events_replay_port": 7651})
+    cfg = load_config(
+        None,
+        env={},
+        overrides={"controller.events_port": 7650, "controller.events_replay_port": 7651},
+    )
+    assert (cfg.controller.events_port, cfg.controller.events_replay_size) == (7650, 100_000)
