@@ -13,11 +13,13 @@ failed save is a future miss. Nothing here raises into vLLM's forward pass.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass
 
+import structlog
 import torch
 
 from kvmesh.common.config import EngineConfig
@@ -50,6 +52,7 @@ class _LayerwiseSave:
     gen: Generator[int, None, int]
     layers_done: int = 0
     finished: bool = False
+    req_id: str = ""
 
 
 def layer_order(names: list[str]) -> dict[str, int]:
@@ -131,23 +134,23 @@ class WorkerSide:
             return
         for op in meta.loads:
             try:
-                slots = slot_mapping(op.block_ids, self.block_size, len(op.tokens))
-                mask = self._mask(op.skip, len(op.tokens))
-                if self.layerwise:
-                    gen = engine.retrieve_layer(
-                        op.tokens, slots, mask, lookup_id=op.req_id, tenant=op.tenant
-                    )
-                    load = _LayerwiseLoad(op, gen)
-                    self._loads.append(load)
-                    loaded = self._step_load(load)  # layer 0, and the mask of what comes
-                else:
-                    loaded = engine.retrieve(
-                        op.tokens, slots, mask, lookup_id=op.req_id, tenant=op.tenant
-                    )
+                with _request(op.req_id):
+                    loaded = self._start_load(engine, op)
             except Exception:
                 log.exception("kvmesh load of %s failed; vLLM recomputes it", op.req_id)
                 loaded = None
             self._check_loaded(op, loaded)
+
+    def _start_load(self, engine: KVEngine, op: LoadOp) -> torch.Tensor | None:
+        """The mask of what op loads (layerwise: what its layers will load)."""
+        slots = slot_mapping(op.block_ids, self.block_size, len(op.tokens))
+        mask = self._mask(op.skip, len(op.tokens))
+        if not self.layerwise:
+            return engine.retrieve(op.tokens, slots, mask, lookup_id=op.req_id, tenant=op.tenant)
+        gen = engine.retrieve_layer(op.tokens, slots, mask, lookup_id=op.req_id, tenant=op.tenant)
+        load = _LayerwiseLoad(op, gen)
+        self._loads.append(load)
+        return self._step_load(load)  # layer 0, and the mask of what comes
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._loads:
@@ -174,7 +177,7 @@ class WorkerSide:
                 except Exception:
                     log.exception("kvmesh save of %s not started", op.req_id)
                     continue
-                self._saves.append(_LayerwiseSave(gen))
+                self._saves.append(_LayerwiseSave(gen, req_id=op.req_id))
                 self._note_saved(op)
         index = self._layers.get(layer_name)
         for save in self._saves:
@@ -192,17 +195,19 @@ class WorkerSide:
             return
         for op in meta.saves:
             try:
-                if op.pd_transfer:
-                    for _ in self._save_gen(engine, op, layerwise=False):
-                        pass
-                else:
-                    slots = slot_mapping(op.block_ids, self.block_size, len(op.tokens))
-                    engine.store(
-                        op.tokens, slots, self._mask(op.skip, len(op.tokens)), tenant=op.tenant
-                    )
+                with _request(op.req_id):
+                    self._save(engine, op)
                 self._note_saved(op)
             except Exception:
                 log.exception("kvmesh save of %s failed", op.req_id)
+
+    def _save(self, engine: KVEngine, op: SaveOp) -> None:
+        if op.pd_transfer:
+            for _ in self._save_gen(engine, op, layerwise=False):
+                pass
+        else:
+            slots = slot_mapping(op.block_ids, self.block_size, len(op.tokens))
+            engine.store(op.tokens, slots, self._mask(op.skip, len(op.tokens)), tenant=op.tenant)
 
     def take_failed_blocks(self) -> set[int]:
         self._finish_loads()
@@ -250,7 +255,8 @@ class WorkerSide:
 
     def _step_load(self, load: _LayerwiseLoad) -> torch.Tensor | None:
         try:
-            loaded = next(load.gen)
+            with _request(load.op.req_id):
+                loaded = next(load.gen)
         except StopIteration as stop:
             load.finished = True
             loaded = stop.value
@@ -261,7 +267,8 @@ class WorkerSide:
         try:
             while not save.finished and (index is None or save.layers_done <= index):
                 try:
-                    next(save.gen)
+                    with _request(save.req_id):
+                        next(save.gen)
                 except StopIteration:
                     save.finished = True
                 save.layers_done += 1
@@ -303,3 +310,10 @@ class WorkerSide:
     def _note_saved(self, op: object) -> None:
         if self._events is not None:
             self._events.remember(self.engine, op)  # type: ignore[arg-type]
+
+
+def _request(req_id: str) -> contextlib.AbstractContextManager[None]:
+    """vLLM's request id on every kvmesh line logged while working on it (it is also
+    the lookup id the scheduler pinned under, so one id follows the request from the
+    scheduler's lookup through the worker's load)."""
+    return structlog.contextvars.bound_contextvars(request_id=req_id)
