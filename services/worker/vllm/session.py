@@ -17,6 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvmesh.services.worker.tiers.misses import MissReason
+
+MISS_REASONS = [r.value for r in MissReason]
+
 # What the current step asks the engine to lose before its load: None, "last" (the
 # last chunk of the load) or "all".
 _drop: dict[str, str | None] = {"mode": None}
@@ -95,6 +99,12 @@ def _engine_stats(instance_id: str) -> dict[str, float]:
     for key, (name, labels) in names.items():
         value = m.value(name, labels)
         out[key] = float(value) if value is not None else 0.0
+    # Misses by tier and reason: only those that happened (most are 0).
+    for tier in (t.name for t in engine.storage.tiers):
+        for reason in MISS_REASONS:
+            value = m.value("chunk_misses_total", {"tier": tier, "reason": reason})
+            if value:
+                out[f"misses_{tier}_{reason}"] = float(value)
     return out
 
 
