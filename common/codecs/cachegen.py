@@ -19,21 +19,26 @@ deltas between neighbouring tokens, then entropy coding.
    between integer codes, after quantisation, so decoding (a running sum) gives back
    the codes exactly: no error accumulates along the chunk, unlike deltas of values.
 5. **Entropy coding.** The deltas, one byte each, token-major, go through zstd, one
-   frame per band. zstd's Huffman stage codes each byte in about its entropy, which
-   is what CacheGen's arithmetic coder achieves up to a few percent; zstd is already
-   a dependency and decodes at GB/s in C, while an arithmetic coder in Python would
+   frame per segment (at most `segment_layers` layers of one band), so the segments
+   of a large chunk encode and decode side by side on every core. zstd's Huffman
+   stage codes each byte in about its order-0 entropy; CacheGen's arithmetic coder
+   with per-channel distributions saves a little more, but zstd is already a
+   dependency and decodes at GB/s in C, where an arithmetic coder in Python would
    not, and decode speed is this codec's goal.
 
-Payload: the params frame (base.pack_params), then per band: minimum and step
-(float32, [layers in band, K/V, channels] each), the u32 length of the zstd frame,
-the frame (its content is [tokens, layers in band, K/V, channels] uint8).
+Payload: the params frame (base.pack_params), then per segment: minimum and step
+(float32, [2][layers in segment, K/V, channels]), the u32 length of the zstd frame,
+the frame (its content is [tokens, layers in segment, K/V, channels] uint8).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import struct
 import threading
-from typing import Annotated, Any
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 import torch
@@ -52,6 +57,7 @@ from kvmesh.common.memory import MemoryFormat
 
 Bits = Annotated[int, msgspec.Meta(ge=1, le=8)]
 _LEN = struct.Struct("<I")
+_T = TypeVar("_T")
 # Tokens dequantised per step: a block's float32 temporaries stay in the CPU's cache.
 _BLOCK_TOKENS = 8
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -65,6 +71,8 @@ class CacheGenParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Bits per value for each equal band of layers, first layers first."""
     zstd_level: Annotated[int, msgspec.Meta(ge=1, le=19)] = 1
     """zstd level of the entropy stage (higher: slower writes, a few % smaller)."""
+    segment_layers: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 4
+    """Layers per independently coded segment (segments decode in parallel)."""
 
 
 def _view(t: torch.Tensor, fmt: MemoryFormat) -> torch.Tensor:
@@ -78,6 +86,36 @@ def _view(t: torch.Tensor, fmt: MemoryFormat) -> torch.Tensor:
     if fmt is MemoryFormat.KV_MLA:
         return t.unsqueeze(1)
     raise ValueError(f"cachegen does not encode {fmt.name} chunks")
+
+
+def _segments(layers: int, params: CacheGenParams) -> list[tuple[int, int, int]]:
+    """(first layer, end layer, bits) of each segment: the bands cut into pieces of at
+    most segment_layers layers."""
+    out = []
+    for lo, hi, bits in _bands(layers, params.layer_bits):
+        for s in range(lo, hi, params.segment_layers):
+            out.append((s, min(hi, s + params.segment_layers), bits))
+    return out
+
+
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+# Below this many bytes a thread hop costs more than the segments' work.
+_PARALLEL_FROM = 1 << 20
+
+
+def _map(fn: Callable[[Any], _T], items: Sequence[Any], chunk: torch.Tensor) -> list[_T]:
+    """fn over items, on a shared pool of one thread per core for large chunks (zstd and
+    torch let go of the GIL, so the segments run side by side)."""
+    global _pool
+    if len(items) < 2 or chunk.numel() * chunk.element_size() < _PARALLEL_FROM:
+        return [fn(item) for item in items]
+    if _pool is None:
+        with _pool_lock:
+            if _pool is None:
+                workers = max(2, min(8, os.cpu_count() or 2))
+                _pool = concurrent.futures.ThreadPoolExecutor(workers, "kvmesh-cachegen")
+    return list(_pool.map(fn, items))
 
 
 def _bands(layers: int, layer_bits: tuple[int, ...]) -> list[tuple[int, int, int]]:
@@ -126,29 +164,26 @@ class CacheGenCodec(Codec):
         if not self.supports(layout):
             raise ValueError(f"cachegen does not encode {layout}")
         v = _view(as_tensor(data, layout), layout.memory_format)
-        parts = [self._frame]
-        compressor = self._zstd()[0]
-        for lo, hi, bits in _bands(v.shape[0], self._params.layer_bits):
-            x = v[lo:hi].to(torch.float32, copy=True)  # [l, kv, T, C], worked in place
-            if not bool(torch.isfinite(x).all()):
-                raise ValueError("cachegen cannot quantise non-finite values")
-            levels = (1 << bits) - 1
-            lo_v = x.amin(dim=2, keepdim=True)
-            step = (x.amax(dim=2, keepdim=True) - lo_v) / levels
-            step = torch.where(step > 0, step, torch.ones_like(step))
-            q = x.sub_(lo_v).div_(step).round_().clamp_(0, levels).to(torch.uint8)
-            q = q.permute(2, 0, 1, 3).contiguous()  # token-major: deltas run along rows
-            d = q.clone()
-            d[1:] -= q[:-1]  # uint8 arithmetic wraps: a difference modulo 256
-            d &= levels
-            frame = compressor.compress(d.numpy().tobytes())
-            parts += [
-                lo_v.squeeze(2).contiguous().numpy().tobytes(),
-                step.squeeze(2).contiguous().numpy().tobytes(),
-                _LEN.pack(len(frame)),
-                frame,
-            ]
-        return b"".join(parts)
+        segments = _segments(v.shape[0], self._params)
+        parts = _map(lambda seg: self._encode_segment(v[seg[0] : seg[1]], seg[2]), segments, v)
+        return b"".join([self._frame, *(b for seg in parts for b in seg)])
+
+    def _encode_segment(self, seg: torch.Tensor, bits: int) -> list[bytes]:
+        x = seg.to(torch.float32, copy=True)  # [l, kv, T, C], worked in place
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError("cachegen cannot quantise non-finite values")
+        levels = (1 << bits) - 1
+        lo_v = x.amin(dim=2, keepdim=True)
+        step = (x.amax(dim=2, keepdim=True) - lo_v) / levels
+        step = torch.where(step > 0, step, torch.ones_like(step))
+        q = x.sub_(lo_v).div_(step).round_().clamp_(0, levels).to(torch.uint8)
+        q = q.permute(2, 0, 1, 3).contiguous()  # token-major: deltas run along rows
+        d = q.clone()
+        d[1:] -= q[:-1]  # uint8 arithmetic wraps: a difference modulo 256
+        d &= levels
+        frame = self._zstd()[0].compress(memoryview(d.numpy()).cast("B"))
+        side = torch.stack([lo_v.squeeze(2), step.squeeze(2)]).contiguous()
+        return [side.numpy().tobytes(), _LEN.pack(len(frame)), frame]
 
     # -- decode ---------------------------------------------------------------------------
     def decode(
@@ -162,36 +197,53 @@ class CacheGenCodec(Codec):
         elif tuple(out.shape) != layout.shape or out.dtype != layout.torch_dtype:
             raise ValueError(f"out {tuple(out.shape)} {out.dtype} does not match {layout}")
         v = _view(out, layout.memory_format)
-        _, kv, tokens, channels = v.shape
-        decompressor = self._zstd()[1]
+        _, kv, _, channels = v.shape
+        # Where each segment's parts are, checked before any work starts.
+        jobs: list[tuple[int, int, int, memoryview, memoryview]] = []
         pos = 0
-        for lo, hi, bits in _bands(v.shape[0], params.layer_bits):
-            n_side = (hi - lo) * kv * channels
-            need = 2 * 4 * n_side + _LEN.size
-            if pos + need > rest.nbytes:
+        for lo, hi, bits in _segments(v.shape[0], params):
+            n_side = 2 * 4 * (hi - lo) * kv * channels
+            if pos + n_side + _LEN.size > rest.nbytes:
                 raise CodecError("cachegen payload truncated")
-            side = torch.frombuffer(bytearray(rest[pos : pos + 8 * n_side]), dtype=torch.float32)
-            lo_v, step = side.view(2, hi - lo, kv, channels).unbind(0)
-            pos += 8 * n_side
+            side = rest[pos : pos + n_side]
+            pos += n_side
             (n,) = _LEN.unpack_from(rest, pos)
             pos += _LEN.size
             if pos + n > rest.nbytes:
                 raise CodecError("cachegen payload truncated")
-            want = tokens * n_side
-            try:
-                raw = decompressor.decompress(rest[pos : pos + n], max_output_size=want)
-            except zstandard.ZstdError as exc:
-                raise CodecError(f"cachegen entropy stage: {exc}") from None
+            jobs.append((lo, hi, bits, side, rest[pos : pos + n]))
             pos += n
-            if len(raw) != want:
-                raise CodecError(f"cachegen band holds {len(raw)} codes, expected {want}")
-            q = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(
-                tokens, hi - lo, kv, channels
-            )
-            self._dequantise(q, (1 << bits) - 1, lo_v, step, v[lo:hi])
         if pos != rest.nbytes:
-            raise CodecError(f"{rest.nbytes - pos} bytes after the last cachegen band")
+            raise CodecError(f"{rest.nbytes - pos} bytes after the last cachegen segment")
+        _map(lambda job: self._decode_segment(v, *job), jobs, v)
         return out
+
+    def _decode_segment(
+        self, v: torch.Tensor, lo: int, hi: int, bits: int, side: memoryview, frame: memoryview
+    ) -> None:
+        _, kv, tokens, channels = v.shape
+        lo_v, step = (
+            torch.frombuffer(bytearray(side), dtype=torch.float32)
+            .view(2, hi - lo, kv, channels)
+            .unbind(0)
+        )
+        q = torch.empty(tokens, hi - lo, kv, channels, dtype=torch.uint8)
+        dst = memoryview(q.numpy()).cast("B")
+        got = 0
+        try:
+            # Decompressed straight into q: no intermediate bytes object.
+            with self._zstd()[1].stream_reader(frame) as reader:
+                while got < dst.nbytes:
+                    n = reader.readinto(dst[got:])
+                    if not n:
+                        break
+                    got += n
+                extra = reader.read(1)
+        except zstandard.ZstdError as exc:
+            raise CodecError(f"cachegen entropy stage: {exc}") from None
+        if got != dst.nbytes or extra:
+            raise CodecError(f"cachegen segment holds other than the {dst.nbytes} codes expected")
+        self._dequantise(q, (1 << bits) - 1, lo_v, step, v[lo:hi])
 
     @staticmethod
     def _dequantise(
