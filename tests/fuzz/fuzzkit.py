@@ -42,7 +42,6 @@ RSS_SLACK = 64 << 20
 REPLY_S = 10.0
 EXAMPLES_PER_ROUND = 5
 MSGPACK_INTS = (0, -1, 1, 2**31 - 1, 2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, -(2**63))
-MAX_FRAME = 1 << 20  # below every server's MAXMSGSIZE: a larger one drops the connection
 
 # -- running --------------------------------------------------------------------------
 
@@ -268,6 +267,9 @@ class ZmqTarget:
     proto: Any
     union: Any
     curve: Callable[[zmq.Socket], None] | None = None
+    # The server's MAXMSGSIZE: larger messages are not sent (the server would drop the
+    # connection, and what was queued behind them on it).
+    max_frame: int = 64 << 20
     ctx: zmq.Context = field(default_factory=zmq.Context)
     _sock: zmq.Socket | None = None
     _rid: int = 1 << 40
@@ -301,6 +303,8 @@ class ZmqTarget:
         if hello_first:
             sock.send(self.hello())
         for frames in batch:
+            if max(map(len, frames)) > self.max_frame:
+                continue
             try:
                 self.proto.codec.decode_request(frames[0])
             except wire.MalformedMessage:
