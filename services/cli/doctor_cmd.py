@@ -112,7 +112,7 @@ async def _answers(service: str, host: str, port: int, timeout_s: float, curve: 
         "cacheserver": lambda: status_cmd.probe_cacheserver(url, timeout_s, curve),
     }
     if service in probes:
-        got = await status_cmd.timed(probes[service], timeout_s)
+        got = await status_cmd.timed(probes[service], timeout_s, endpoint=url, curve=curve)
     elif service in ("http", "controller-http"):
         base = f"http://{status_cmd.local_host(host)}:{port}"
         got = await status_cmd.timed(
@@ -182,6 +182,15 @@ def _host_port(rest: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+def _zmq_endpoint(url: str) -> str:
+    """The tcp:// endpoint a kvmesh client of url connects to; "" for other schemes."""
+    if url.startswith("tcp://"):
+        return url
+    if url.startswith("kvmesh://"):
+        return "tcp://" + url.removeprefix("kvmesh://").split("/", 1)[0]
+    return ""
+
+
 async def check_reach(cfg: KvmeshConfig, timeout_s: float, curve: CurveKeys | None) -> list[Check]:
     # (what, url, level when down, how to ask)
     targets: list[tuple[str, str, Level, Callable[[], Awaitable[dict[str, Any]]]]] = []
@@ -241,7 +250,13 @@ async def check_reach(cfg: KvmeshConfig, timeout_s: float, curve: CurveKeys | No
             ),
         ),
     ]
-    got = await asyncio.gather(*(status_cmd.timed(ask, timeout_s) for *_, ask in targets))
+    # A failure of a ZMQ target also says what its CURVE handshake did.
+    got = await asyncio.gather(
+        *(
+            status_cmd.timed(ask, timeout_s, endpoint=_zmq_endpoint(url), curve=curve)
+            for _, url, _, ask in targets
+        )
+    )
     out = []
     for (what, url, level, _ask), r in zip(targets, got, strict=True):
         if r["up"]:

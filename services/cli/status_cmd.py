@@ -41,10 +41,12 @@ from kvmesh.common.protocol import controller as proto
 from kvmesh.common.transport.cacheserver_client import CacheServerClient
 from kvmesh.common.transport.controller_client import ControllerConnection
 from kvmesh.common.transport.curve import CurveKeys
+from kvmesh.common.transport.handshake_probe import handshake_problem
 from kvmesh.common.transport.lookup_service_client import LookupServiceClient
 from kvmesh.services.cli.serving import load_security, load_service_config
 
 EXIT_DOWN = 3
+HANDSHAKE_PROBE_S = 1.0
 # Metric samples kept per page: what the tables show, nothing else.
 _WANTED = (
     "kvmesh_controller_p2p_lookups_total",
@@ -99,8 +101,18 @@ def endpoints_from_config(cfg: KvmeshConfig) -> Endpoints:
 # -- gathering ----------------------------------------------------------------------------
 
 
-async def timed(what: Callable[[], Awaitable[dict[str, Any]]], timeout_s: float) -> dict:
-    """what()'s fields plus up/latency, or up=false and the error; never raises."""
+async def timed(
+    what: Callable[[], Awaitable[dict[str, Any]]],
+    timeout_s: float,
+    *,
+    endpoint: str = "",
+    curve: CurveKeys | None = None,
+) -> dict:
+    """what()'s fields plus up/latency, or up=false and the error; never raises.
+
+    With the ZMQ endpoint what() talks to, a failure also says what the connection
+    and the CURVE handshake did (a refused client hears nothing, only a timeout):
+    one more connection, at most HANDSHAKE_PROBE_S more."""
     t0 = time.perf_counter()
     try:
         async with asyncio.timeout(timeout_s):
@@ -108,9 +120,15 @@ async def timed(what: Callable[[], Awaitable[dict[str, Any]]], timeout_s: float)
         out.update(up=True, latency_ms=round((time.perf_counter() - t0) * 1e3, 2))
         return out
     except TimeoutError:
-        return {"up": False, "error": f"no answer in {timeout_s:g}s"}
+        error = f"no answer in {timeout_s:g}s"
     except Exception as exc:  # any failure is "down, because ..."
-        return {"up": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+        error = f"{type(exc).__name__}: {exc}"[:300]
+    if endpoint:
+        probe_s = min(timeout_s, HANDSHAKE_PROBE_S)
+        why = await asyncio.to_thread(handshake_problem, endpoint, curve, probe_s)
+        if why:
+            error = f"{error}: {why}"
+    return {"up": False, "error": error}
 
 
 async def controller_view(url: str, timeout_s: float, curve: CurveKeys | None) -> dict[str, Any]:
@@ -199,10 +217,23 @@ async def fetch_metrics(url: str, timeout_s: float) -> dict[str, Any]:
 async def gather(ep: Endpoints, timeout_s: float, curve: CurveKeys | None) -> dict[str, Any]:
     """Everything status shows, as one JSON-able dict; each part within timeout_s."""
     jobs: dict[str, Awaitable[dict[str, Any]]] = {
-        "controller": timed(lambda: controller_view(ep.controller, timeout_s, curve), timeout_s),
-        "lookup": timed(lambda: probe_lookup(ep.lookup, timeout_s, curve), timeout_s),
+        "controller": timed(
+            lambda: controller_view(ep.controller, timeout_s, curve),
+            timeout_s,
+            endpoint=ep.controller,
+            curve=curve,
+        ),
+        "lookup": timed(
+            lambda: probe_lookup(ep.lookup, timeout_s, curve),
+            timeout_s,
+            endpoint=ep.lookup,
+            curve=curve,
+        ),
         "cacheserver": timed(
-            lambda: probe_cacheserver(ep.cacheserver, timeout_s, curve), timeout_s
+            lambda: probe_cacheserver(ep.cacheserver, timeout_s, curve),
+            timeout_s,
+            endpoint=ep.cacheserver,
+            curve=curve,
         ),
     }
     for name, url in ep.metrics.items():

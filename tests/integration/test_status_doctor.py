@@ -8,6 +8,9 @@ a worker that never answers the health fan-out is still listed, its L1 use unkno
 doctor: a misspelt key, an unwritable disk path and a port held by a stranger each
 fail (exit 1); a good config naming the running services passes (exit 0), the ports
 they hold counted as theirs. load: a short run with few clients has no error.
+Under CURVE (the services keyed): status and doctor with a listed client key see
+everything; with no key, an unlisted key or the wrong server key they fail within the
+deadline and say which (the handshake as the client saw it), not just "no answer".
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 import zmq
 from click.testing import CliRunner
@@ -251,3 +255,166 @@ def test_load_benchmark_short_run_has_no_error():
     assert result["errors"] == 0 and result["clients"] == 8
     for op in ("lookup", "get"):
         assert result["ops"][op]["ops"] > 0 and result["ops"][op]["p99_ms"] > 0
+
+
+# -- under CURVE --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def curve_mesh(tmp_path_factory):
+    """A controller, lookup-server and cache-server with CURVE on (one config, the
+    services' own client key), and a keyed engine registered with the controller.
+    Configs for the CLI: admin (a listed key), intruder (a key no server lists),
+    wrongserver (a listed key, but another server key), nokey (no security: section)."""
+    from kvmesh.common.config import load_config
+    from kvmesh.common.transport.curve import load_curve
+
+    tmp = tmp_path_factory.mktemp("status-curve")
+    keys, allowed = tmp / "keys", tmp / "allowed"
+    for name in ("server", "services", "admin", "intruder", "other"):
+        out = CliRunner().invoke(cli, ["keys", "generate", str(keys), "--name", name])
+        assert out.exit_code == 0, out.output
+    allowed.mkdir()
+    for name in ("services", "admin"):
+        (allowed / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+
+    def security(client: str, server: str = "server.key_secret") -> dict[str, str]:
+        return {
+            "server_key": str(keys / server),
+            "client_key": str(keys / f"{client}.key_secret"),
+            "allowed_clients": str(allowed),
+        }
+
+    services_cfg = tmp / "services.yaml"
+    services_cfg.write_text(yaml.safe_dump({"security": security("services")}))
+    controller = ControllerProcess(tmp, snapshot=False)
+    controller.env["KVMESH_CONFIG"] = str(services_cfg)
+    procs = [controller]
+    eng = None
+    try:
+        controller.start()
+        lookup = KvmeshService(
+            "lookup", tmp, free_port(), {"controller-url": controller.url, "chunk-size": 8}
+        )
+        cache = KvmeshService(
+            "cacheserver", tmp, free_port(), {"max-memory": "64MiB", "max-value-size": "1MiB"}
+        )
+        for p in (lookup, cache):
+            p.env["KVMESH_CONFIG"] = str(services_cfg)
+            procs.append(p)
+            p.start(60)
+        curve = load_curve(load_config(services_cfg, env={}).security, server=True, client=True)
+        eng = build_curve_engine("inst-curve", controller.url, curve)
+        store(eng, tokens(32, 6))
+        ports = {
+            "controller": {"port": controller.port, "http_port": controller.http_port},
+            "lookup": {"port": lookup.port},
+            "cacheserver": {"port": cache.port},
+        }
+        configs = {}
+        for name, sec in (("admin", security("admin")), ("intruder", security("intruder")),
+                          ("wrongserver", security("admin", "other.key")),
+                          ("nokey", None)):  # fmt: skip
+            path = tmp / f"{name}.yaml"
+            path.write_text(yaml.safe_dump({**ports, **({"security": sec} if sec else {})}))
+            configs[name] = path
+        yield {"controller": controller, "lookup": lookup, "cache": cache, "configs": configs,
+               "security": security}  # fmt: skip
+    finally:
+        if eng is not None:
+            eng.close()
+        for p in reversed(procs):
+            p.stop()
+
+
+def build_curve_engine(instance: str, url: str, curve):
+    from kvtest.controller import engine_config
+    from kvtest.paged import make_cache
+
+    from kvmesh.services.worker import controller_client as cc
+    from kvmesh.services.worker.engine import KVEngine
+
+    view, _, _ = make_cache("cpu", torch.float16, True, blocks=16, block_size=4)
+    eng = KVEngine(instance, 0, engine_config(url), view, curve=curve)
+    assert cc.wait_registered(eng.controller_client, 10.0), "keyed engine did not register"
+    return eng
+
+
+def curve_status(m: dict[str, Any], config: str, *extra: str) -> tuple[int, dict, float]:
+    t0 = time.monotonic()
+    code, out = run_cli("status", "--config", str(m["configs"][config]), "--timeout", "2", *extra)
+    took = time.monotonic() - t0
+    return code, (json.loads(out) if "--json" in extra else {"text": out}), took
+
+
+def test_status_with_the_right_key_sees_everything(curve_mesh):
+    def listed() -> Any:
+        code, view, _ = curve_status(curve_mesh, "admin", "--json")
+        insts = [i for i in view["instances"] if i["instance_id"] == "inst-curve"]
+        return (code, view) if insts and insts[0]["chunks"].get("l1") == 4 else None
+
+    code, view = wait_for(listed, 20, "the keyed worker's 4 L1 chunks in status")
+    assert code == 0 and view["all_up"], view["services"]
+    for name in ("controller", "lookup", "cacheserver"):
+        assert view["services"][name]["up"], (name, view["services"][name])
+    # The health fan-out reached the keyed engine through the keyed controller.
+    (w,) = [w for w in view["workers"] if w["instance_id"] == "inst-curve"]
+    assert w["health"]["l1_chunks"] == 4
+
+
+@pytest.mark.parametrize(
+    ("config", "why"),
+    [("nokey", "requires CURVE and this client has no key"),
+     ("intruder", "refused this client's key"),
+     ("wrongserver", "the handshake failed")],
+)  # fmt: skip
+def test_status_without_the_right_key_says_why_within_the_deadline(curve_mesh, config, why):
+    code, view, took = curve_status(curve_mesh, config, "--json")
+    assert code == 3 and not view["all_up"]
+    for name in ("controller", "lookup", "cacheserver"):
+        s = view["services"][name]
+        assert not s["up"] and why in s["error"], (name, s)
+    # 2 s deadline, then a short handshake probe: no hang on a box under load.
+    assert took < 10, f"status took {took:.1f}s with a 2s deadline"
+
+    code, text, _ = curve_status(curve_mesh, config)
+    assert code == 3
+    assert text["text"].count("DOWN") == 3 and why in text["text"], text["text"]
+    assert "Traceback" not in text["text"]
+
+
+def curve_doctor(m: dict[str, Any], tmp_path: Path, client: str | None):
+    config = good_config(
+        {"controller": m["controller"], "lookup": m["lookup"], "cache": m["cache"]}, tmp_path
+    )
+    if client is not None:
+        config["security"] = m["security"](client)
+    t0 = time.monotonic()
+    code, checks = doctor(tmp_path, config)
+    return code, checks, time.monotonic() - t0
+
+
+def test_doctor_with_the_right_key_passes(curve_mesh, tmp_path):
+    code, checks, _ = curve_doctor(curve_mesh, tmp_path, "admin")
+    assert code == 0, failures(checks)
+    whys = [c["why"] for c in checks if c["level"] == "ok"]
+    port = curve_mesh["lookup"].port
+    assert any(f"lookup.port 127.0.0.1:{port} is held by the running lookup" in w
+               for w in whys), whys  # fmt: skip
+    assert any(w.startswith("engine.controller.url") and "answers" in w for w in whys), whys
+    assert any(w.startswith("engine.remote.url") and "answers" in w for w in whys), whys
+
+
+@pytest.mark.parametrize(
+    ("client", "why"),
+    [(None, "requires CURVE and this client has no key"),
+     ("intruder", "refused this client's key")],
+)  # fmt: skip
+def test_doctor_without_the_right_key_fails_saying_why(curve_mesh, tmp_path, client, why):
+    code, checks, took = curve_doctor(curve_mesh, tmp_path, client)
+    assert code == 1
+    fails = failures(checks)
+    for what in ("engine.controller.url", "engine.remote.url"):
+        (line,) = [f for f in fails if f.startswith(what)]
+        assert "does not answer" in line and why in line, line
+    assert took < 30, f"doctor took {took:.1f}s with a 2s deadline"
