@@ -51,3 +51,8 @@ class RecentKeys(Generic[K]):
 
     def __len__(self) -> int:
         return len(self._keys)
+
+    def snapshot(self) -> list[K]:
+        """The keys, oldest first (a copy)."""
+        with self._lock:
+            return list(self._keys)

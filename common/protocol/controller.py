@@ -232,11 +232,25 @@ class Move(wire.Message, tag="move"):
     timeout_s: float = 0.0
 
 
+# The codecs and tiers a Compress may name (common/codecs/ holds the codecs; a test
+# keeps the two in step without the controller importing torch).
+COMPRESS_METHODS = ("none", "zstd", "lz4", "cachegen")
+COMPRESS_TIERS = ("disk", "remote")
+
+
 class Compress(wire.Message, tag="compress"):
+    """Rewrite stored chunks through a codec (method: none, zstd, lz4, cachegen) in a
+    tier (disk or remote), each replaced whole; keys [] = every chunk the worker holds
+    there."""
+
     rid: int
     event_id: str
     instance_id: str = ""
     method: str = "zstd"
+    tier: str = "disk"
+    keys: list[str] = []
+    # Deadline of each worker's rewrite; 0 = the controller's admin timeout.
+    timeout_s: float = 0.0
 
 
 class CheckFinish(wire.Message, tag="check_finish"):
@@ -290,8 +304,9 @@ class Resync(wire.Message, tag="resync"):
 
 class Command(wire.Message, tag="command"):
     """An admin command for one worker: op is clear, pin, unpin, health, keys (list
-    L1's chunks), fetch (read keys from the peer at `source` into L1) or remove (keys,
-    from the worker's own tiers); others are answered ok=False, "unsupported". Removal
+    L1's chunks), fetch (read keys from the peer at `source` into L1), remove (keys,
+    from the worker's own tiers) or compress (keys, or all, in `tier` through `method`);
+    others are answered ok=False, "unsupported". Removal
     of given keys is its own op, not clear with keys: a worker that predates it then
     answers "unsupported" instead of clearing everything."""
 
@@ -303,6 +318,7 @@ class Command(wire.Message, tag="command"):
     source: str = ""  # fetch: the P2P endpoint to read from
     # The worker answers within this many seconds (0: no deadline of its own).
     deadline_s: float = 0.0
+    method: str = ""  # compress: the codec
 
 
 # -- controller → index subscribers (pushed, rid 0; seq counts pushes in an epoch) ----

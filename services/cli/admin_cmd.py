@@ -171,6 +171,67 @@ def health(ctx: click.Context, instance: str) -> None:
     _print_results(ctx, _call(ctx, lambda r: proto.Health(r, ev, instance), proto.AdminReply))
 
 
+def _compress_options(f: Any) -> Any:
+    f = click.option(
+        "--worker-timeout",
+        type=float,
+        default=0.0,
+        help="Deadline of each worker's rewrite, seconds (0: the controller's admin timeout).",
+    )(f)
+    f = click.option("--instance", default="", help="Only this instance (default: all).")(f)
+    f = click.option(
+        "--tier", type=click.Choice(proto.COMPRESS_TIERS), default="disk", show_default=True
+    )(f)
+    return click.argument("keys", nargs=-1)(f)
+
+
+def _compress(
+    ctx: click.Context,
+    keys: tuple[str, ...],
+    method: str,
+    tier: str,
+    instance: str,
+    timeout_s: float,
+) -> None:
+    ev = uuid.uuid4().hex
+    build = lambda r: proto.Compress(  # noqa: E731
+        r, ev, instance, method, tier, list(keys), timeout_s
+    )
+    _print_results(ctx, _call(ctx, build, proto.AdminReply, extra_s=timeout_s))
+
+
+@admin.command("compress")
+@_compress_options
+@click.option(
+    "--method",
+    type=click.Choice([m for m in proto.COMPRESS_METHODS if m != "none"]),
+    default="zstd",
+    show_default=True,
+)
+@click.pass_context
+def compress(
+    ctx: click.Context,
+    keys: tuple[str, ...],
+    tier: str,
+    instance: str,
+    worker_timeout: float,
+    method: str,
+) -> None:
+    """Rewrite stored chunks (KEYs, or all each worker holds in the tier) through a
+    codec, each replaced whole; new chunks keep the tier's configured compression."""
+    _compress(ctx, keys, method, tier, instance, worker_timeout)
+
+
+@admin.command("decompress")
+@_compress_options
+@click.pass_context
+def decompress(
+    ctx: click.Context, keys: tuple[str, ...], tier: str, instance: str, worker_timeout: float
+) -> None:
+    """Store chunks (KEYs, or all) raw again."""
+    _compress(ctx, keys, "none", tier, instance, worker_timeout)
+
+
 def _move_options(f: Any) -> Any:
     f = click.option(
         "--transfer-timeout",

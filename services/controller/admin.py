@@ -32,12 +32,23 @@ class AdminFanout:
         return True
 
     async def run(
-        self, event_id: str, op: str, targets: list[WorkerEntry], tier: str, keys: list[str]
+        self,
+        event_id: str,
+        op: str,
+        targets: list[WorkerEntry],
+        tier: str,
+        keys: list[str],
+        *,
+        method: str = "",
+        timeout_s: float = 0.0,
     ) -> list[proto.WorkerResult]:
         """The same command to every target; one result each."""
         self.remember(event_id, False, [])
         replies = await asyncio.gather(
-            *(self.ask(w, event_id, op, tier=tier, keys=keys) for w in targets)
+            *(
+                self.ask(w, event_id, op, tier=tier, keys=keys, method=method, timeout_s=timeout_s)
+                for w in targets
+            )
         )
         results = [result_of(r) for r in replies]
         self.remember(event_id, True, results)
@@ -53,6 +64,7 @@ class AdminFanout:
         keys: list[str] | None = None,
         source: str = "",
         timeout_s: float = 0.0,
+        method: str = "",
     ) -> proto.CommandReply:
         """One command to one worker and its reply within timeout_s (0: the default);
         not reaching the worker, or no reply in time, is a reply with ok=False."""
@@ -65,7 +77,7 @@ class AdminFanout:
         # The worker is told a shorter deadline, so its answer (a partial result
         # included) arrives before we stop waiting for it.
         worker_deadline = timeout_s - min(0.5, timeout_s / 4)
-        cmd = proto.Command(rid, event_id, op, tier, keys or [], source, worker_deadline)
+        cmd = proto.Command(rid, event_id, op, tier, keys or [], source, worker_deadline, method)
         try:
             if not self._push(worker.peer, cmd):
                 return _failed(worker, "send failed")

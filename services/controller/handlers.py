@@ -22,6 +22,7 @@ from kvmesh.services.controller.registry import Registry, WorkerEntry
 from kvmesh.services.controller.stats import ControllerStats
 
 MAX_ID_CHARS = 256
+MAX_COMPRESS_S = 3600.0
 # A worker registers one namespace per model/layout it serves: a handful.
 MAX_NAMESPACES = 64
 _HEX = frozenset("0123456789abcdef")
@@ -74,7 +75,7 @@ class Handlers:
             proto.Pin: self.admin,
             proto.Health: self.admin,
             proto.Move: self.move,
-            proto.Compress: self.unsupported,
+            proto.Compress: self.compress,
         }
 
     # -- workers ------------------------------------------------------------------------
@@ -262,6 +263,39 @@ class Handlers:
         except move.MoveRefused as exc:
             return proto.error_reply(msg.rid, ErrorCode.BAD_REQUEST, str(exc))
         results = await move.run(self.fanout, msg, plans)
+        return proto.AdminReply(msg.rid, msg.event_id, True, results)
+
+    async def compress(self, peer: bytes, msg: proto.Compress) -> Any:
+        if not msg.event_id or len(msg.event_id) > MAX_ID_CHARS:
+            return proto.error_reply(msg.rid, ErrorCode.BAD_REQUEST, "event_id: 1-256 characters")
+        if msg.method not in proto.COMPRESS_METHODS:
+            return proto.error_reply(
+                msg.rid,
+                ErrorCode.BAD_REQUEST,
+                f"method {msg.method!r:.40}: one of {', '.join(proto.COMPRESS_METHODS)}",
+            )
+        if msg.tier not in proto.COMPRESS_TIERS:
+            return proto.error_reply(
+                msg.rid, ErrorCode.BAD_REQUEST, f"tier {msg.tier!r:.40}: disk or remote"
+            )
+        if not 0 <= msg.timeout_s <= MAX_COMPRESS_S:
+            return proto.error_reply(
+                msg.rid, ErrorCode.BAD_REQUEST, f"timeout_s: 0 to {MAX_COMPRESS_S:.0f}"
+            )
+        targets = [
+            w
+            for w in self.registry.workers.values()
+            if not msg.instance_id or w.instance_id == msg.instance_id
+        ]
+        results = await self.fanout.run(
+            msg.event_id,
+            "compress",
+            targets,
+            msg.tier,
+            msg.keys,
+            method=msg.method,
+            timeout_s=msg.timeout_s,
+        )
         return proto.AdminReply(msg.rid, msg.event_id, True, results)
 
     async def unsupported(self, peer: bytes, msg: Any) -> Any:

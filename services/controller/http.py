@@ -10,6 +10,7 @@ POST /pin               {"keys": [...], "instance_id"?, "unpin"?, "event_id"?}
 POST /health            {"instance_id"?, "event_id"?}  → each worker's health
 POST /copy              {"src_instance", "dst_instance", "keys"?, "timeout_s"?, "event_id"?}
 POST /move              the same; the source loses what the destination confirmed
+POST /compress          {"method"?, "tier"?, "keys"?, "instance_id"?, "timeout_s"?, "event_id"?}
 
 Built on asyncio streams (standard library): the controller then needs no web framework
 (aiohttp is only in this venv as a vLLM dependency). One request per connection
@@ -114,6 +115,16 @@ class AdminHttp:
             msg = proto.Health(0, event_id, instance)
         elif path in ("/copy", "/move"):
             msg = _move(args, event_id, copy=path == "/copy")
+        elif path == "/compress":
+            msg = proto.Compress(
+                0,
+                event_id,
+                instance,
+                str(args.get("method") or "zstd"),
+                str(args.get("tier") or "disk"),
+                _keys(args, required=False),
+                _seconds(args),
+            )
         else:
             return 404, {"error": "not found"}
         reply = await srv.handlers.async_table[type(msg)](b"", msg)
@@ -133,10 +144,15 @@ def _move(args: dict[str, Any], event_id: str, *, copy: bool) -> proto.Move:
     src, dst = args.get("src_instance"), args.get("dst_instance")
     if not isinstance(src, str) or not isinstance(dst, str) or not src or not dst:
         raise _BadRequest("src_instance and dst_instance: instance ids")
+    keys = _keys(args, required=False)
+    return proto.Move(0, event_id, keys, src, dst, copy, _seconds(args))
+
+
+def _seconds(args: dict[str, Any]) -> float:
     timeout_s = args.get("timeout_s", 0.0)
     if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool):
         raise _BadRequest("timeout_s: seconds")
-    return proto.Move(0, event_id, _keys(args, required=False), src, dst, copy, float(timeout_s))
+    return float(timeout_s)
 
 
 def _parse_head(head: bytes) -> tuple[str, str, int, str | None]:

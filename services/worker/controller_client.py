@@ -27,6 +27,7 @@ from kvmesh.common.transport.controller_client import (
     ControllerUnavailable,
 )
 from kvmesh.services.worker import peer_copy
+from kvmesh.services.worker.compress import rewrite_chunks
 from kvmesh.services.worker.peer_locator import PeerLocation
 
 if TYPE_CHECKING:
@@ -253,12 +254,30 @@ class ControllerClient:
                 if got.failed:
                     ok = False
                     error = got.error or f"{got.failed} of {got.requested} chunks not copied"
+            elif cmd.op == "compress":
+                keys_asked = [ChunkKey.from_str(k) for k in cmd.keys] or None
+                done = await asyncio.to_thread(
+                    rewrite_chunks,
+                    engine,
+                    keys_asked,
+                    cmd.method,
+                    cmd.tier,
+                    deadline_s=cmd.deadline_s or None,
+                )
+                count, detail = done.rewritten, done.detail
+                if done.timed_out or done.failed:
+                    ok = False
+                    error = (
+                        f"deadline passed after {done.tried} of {done.asked} chunks"
+                        if done.timed_out
+                        else f"{done.failed} of {done.asked} chunks not rewritten"
+                    )
             elif cmd.op == "remove":
                 count, kept = await peer_copy.remove(engine, cmd.keys)
                 detail = {"removed": count, "kept": kept}
             else:
                 ok, error = False, f"{cmd.op}: unsupported"
-        except peer_copy.CopyRefused as exc:
+        except (peer_copy.CopyRefused, ValueError) as exc:  # refusals that explain themselves
             ok, error = False, str(exc)
         except Exception as exc:  # answered, not raised: the controller waits on us
             ok, error = False, repr(exc)[:300]

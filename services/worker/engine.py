@@ -28,6 +28,7 @@ from kvmesh.common.transport.channel import TransferChannel, make_channel
 from kvmesh.common.transport.curve import CurveKeys
 from kvmesh.gpu_ext import make_copier
 from kvmesh.services.worker import layerwise
+from kvmesh.services.worker.compress import CompressResult, rewrite_chunks
 from kvmesh.services.worker.events import KVEventBuffer, KVEventKind
 from kvmesh.services.worker.loop_thread import LoopThread
 from kvmesh.services.worker.mla import MLABroadcast
@@ -530,6 +531,34 @@ class KVEngine:
         return chunks[len(objs) - 1][1] if objs else 0
 
     # -- management -------------------------------------------------------------------
+    def compress(
+        self,
+        tokens: Tokens | None = None,
+        method: str = "zstd",
+        tier: str = "disk",
+        *,
+        tenant: str = "",
+        params: dict | None = None,
+        deadline_s: float | None = None,
+    ) -> CompressResult:
+        """Rewrite the chunks of tokens (None: all this engine holds there) in tier
+        (disk or remote) through method's codec (none, zstd, lz4, cachegen), each
+        replaced whole; see services/worker/compress.py."""
+        self._check_open()
+        keys = None if tokens is None else [k for _, _, k in self.chunks(tokens, tenant=tenant)]
+        return rewrite_chunks(self, keys, method, tier, params=params, deadline_s=deadline_s)
+
+    def decompress(
+        self,
+        tokens: Tokens | None = None,
+        tier: str = "disk",
+        *,
+        tenant: str = "",
+        deadline_s: float | None = None,
+    ) -> CompressResult:
+        """Store the chunks of tokens (None: all) in tier raw again."""
+        return self.compress(tokens, "none", tier, tenant=tenant, deadline_s=deadline_s)
+
     def clear(
         self, tokens: Tokens | None = None, tier: str | None = None, *, tenant: str = ""
     ) -> int:

@@ -226,7 +226,14 @@ def test_invalid_requests_of_a_session(controller) -> None:
                 await code_of(proto.Move(c.next_rid(), "", [], "a", "b", True))
                 == ErrorCode.BAD_REQUEST
             )
-            assert await code_of(proto.Compress(c.next_rid(), "e")) == ErrorCode.UNSUPPORTED
+            # compress: a codec and a tier it knows, a bounded deadline.
+            for bad in (
+                proto.Compress(c.next_rid(), "e", method="brotli"),
+                proto.Compress(c.next_rid(), "e", tier="l1"),
+                proto.Compress(c.next_rid(), "e", timeout_s=-1.0),
+                proto.Compress(c.next_rid(), "", method="zstd"),
+            ):
+                assert await code_of(bad) == ErrorCode.BAD_REQUEST, bad
             assert await code_of(proto.CheckFinish(c.next_rid(), "never")) == ErrorCode.BAD_REQUEST
             # An unregistered worker's events are refused (it must register first).
             c.send(proto.KVEventBatch(c.next_rid(), "nobody/0", 1, [(1, KEY, "l1")]))
@@ -249,3 +256,9 @@ def test_invalid_requests_of_a_session(controller) -> None:
         assert controller.alive()
 
     asyncio.run(main())
+
+
+def test_compress_methods_are_the_codecs() -> None:
+    from kvmesh.common.codecs import CODEC_TYPES
+
+    assert set(proto.COMPRESS_METHODS) == {"none"} | {c.name for c in CODEC_TYPES.values()}

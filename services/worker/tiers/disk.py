@@ -47,7 +47,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 from pathlib import Path
 
@@ -60,6 +60,7 @@ from kvmesh.common.chunk_codec import (
     check_key,
     chunk_bytes,
 )
+from kvmesh.common.chunk_codec import Codec as CodecId
 from kvmesh.common.codecs import Codec
 from kvmesh.common.codecs.stored import decode_chunk, encode_chunk
 from kvmesh.common.keys import ChunkKey
@@ -719,6 +720,68 @@ class DiskTier:
                 return
             self._mark_deleting_locked([key])
         self._delete(key, entry)
+
+    # -- rewrite (compress / decompress) -----------------------------------------------------
+    def rewrite(self, key: ChunkKey, codec: Codec | None, allocator: Allocator) -> str:
+        """Store the chunk again through codec (None: raw): "rewritten", "unchanged"
+        (already stored so, or the codec does not pay off), "absent", or "failed".
+
+        Atomic for readers: the new file is written beside the old and renamed over it,
+        under the lock that deletes take, so a reader gets the old file or the new one,
+        whole, and a chunk removed meanwhile stays removed. The index gets a new entry
+        (the new size); a read that began on the old entry finds it replaced and, at
+        worst, misses once, never deletes the new file."""
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None or entry.state is not _State.READY or self._closed:
+                return "absent"
+            entry.readers += 1
+        tmp = os.path.join(self.path, temp_file_name(key, self._run_id))
+        obj: MemoryObj | None = None
+        try:
+            obj = allocator.allocate(torch.Size(entry.shape), entry.dtype, entry.fmt)
+            if obj is None:
+                return "failed"
+            hdr = header_buffer()
+            payload = memoryview(bytearray(entry.size - FILE_LAYOUT.size))
+            n = read_file(self._file(key), [hdr, payload], self.o_direct)
+            old, checksum = self._verify(key, entry, hdr, payload, n, obj)
+            target = CodecId.NONE if codec is None else codec.id
+            if old.codec == target:
+                return "unchanged"
+            header, stored, _ = encode_chunk(key, obj, codec, checksum=checksum)
+            if header.codec == old.codec:
+                return "unchanged"  # the codec did not pay off: the file stays as it is
+            header = replace(header, written_ns=old.written_ns or time.time_ns())
+            out = header_buffer()
+            FILE_LAYOUT.pack_into(header, out)
+            write_file(tmp, [out, memoryview(stored)], self.o_direct)
+            size = FILE_LAYOUT.total_size(header)
+            with self._lock:
+                if self._index.get(key) is not entry or entry.state is not _State.READY:
+                    os.unlink(tmp)
+                    return "absent"  # removed or evicted meanwhile: it stays so
+                os.rename(tmp, self._file(key))
+                fresh = _Entry(_State.READY, size, entry.shape, entry.dtype, entry.fmt)
+                fresh.pins = entry.pins
+                self._index[key] = fresh
+                self._used += size - entry.size
+        except CorruptChunk as exc:
+            self.misses.inc(MissReason.CHECKSUM)
+            self._corrupt(key, entry, str(exc))
+            return "failed"
+        except Exception as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            log.warning("disk rewrite failed", key=key.to_str(), error=repr(exc))
+            return "failed"
+        finally:
+            self._end_read(entry)
+            if obj is not None:
+                obj.ref_down()
+        self.stats.bytes_written.inc(size)
+        self._update_gauges()
+        return "rewritten"
 
     # -- lookups, pins, management ----------------------------------------------------------
     def contains(self, key: ChunkKey, pin: bool = False) -> bool:

@@ -31,6 +31,7 @@ import time
 from collections.abc import Sequence
 
 from kvmesh.common.chunk_codec import CODECS, Codec, CorruptChunk
+from kvmesh.common.codecs import Codec as ChunkCodec
 from kvmesh.common.codecs import codec_from_config
 from kvmesh.common.config import RemoteConfig
 from kvmesh.common.keys import ChunkKey
@@ -305,6 +306,51 @@ class RemoteTier:
         self.stats.received.inc(fetched.header.stored_nbytes)
         self.stats.seconds["get"].observe(time.perf_counter() - t0)
         return obj
+
+    async def arewrite(self, key: ChunkKey, codec: ChunkCodec | None, allocator: Allocator) -> str:
+        """Store the chunk again through codec (None: raw): "rewritten", "unchanged",
+        "absent" or "failed". The store replaces a value whole (one SET, one cache-server
+        put), so a reader gets the old value or the new one, each with its own header."""
+        if self._closed or not self._check_connection():
+            return "failed"
+        obj: MemoryObj | None = None
+        try:
+            async with asyncio.timeout(self.config.timeout_s):
+                fetched = await self.connector.get(key)
+            if fetched is None:
+                return "absent"
+            old = fetched.header
+            if old.codec == (Codec.NONE if codec is None else codec.id):
+                return "unchanged"
+            obj = await decode_off_loop(key, old, fetched.payload, allocator)
+            if obj is None:
+                return "failed"
+            header, packed, payload = await asyncio.to_thread(
+                encode, key, obj, codec, self.config.compression_min_saving
+            )
+            if header.codec == old.codec:
+                return "unchanged"  # the codec did not pay off
+            async with asyncio.timeout(self.config.timeout_s):
+                await self.connector.put(key, header, packed, payload)
+        except CorruptChunk as exc:
+            self.misses.inc(MissReason.CHECKSUM)
+            log.warning("remote value failed its checks; dropped", key=key.to_str(), error=str(exc))
+            self.presence.set(key, False)
+            self._drop_remote_copy(key)
+            return "failed"
+        except Exception as exc:
+            self.health.failure(f"rewrite: {exc!r}")
+            return "failed"
+        finally:
+            if obj is not None:
+                obj.ref_down()
+        self.stats.sent.inc(header.stored_nbytes)
+        return "rewritten"
+
+    def known_keys(self) -> list[ChunkKey]:
+        """The chunks this worker put in the store or read from it lately (a shared
+        store lists no keys per worker); bounded, oldest first."""
+        return self._held.snapshot()
 
     def _absent(self, key: ChunkKey) -> MissReason:
         return MissReason.EVICTED if key in self._held else MissReason.NOT_STORED
