@@ -7,7 +7,7 @@ Two kinds of tenant, both checked: a per-request tenant (the vLLM connector's
 (one deployment per tenant). Two tenants storing the same prompt get different keys;
 neither sees a hit of the other's chunks through any path: the engine's lookup and
 retrieve (L1, P2P, remote), the lookup-server's Lookup and BestInstances, the
-controller's PrefixCounts and P2PLookup. Each negative has a positive control beside
+controller's PrefixCounts and P2PLookup, and its KV-event feed by namespace. Each negative has a positive control beside
 it (the owner, or the infrastructure view, does see the chunks), so a 0 means
 "isolated", not "broken". Admin outputs name counts and namespaces, not tenants or
 prompts; clearing one tenant's prompt leaves the other's.
@@ -16,10 +16,12 @@ prompts; clearing one tenant's prompt leaves the other's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from click.testing import CliRunner
@@ -34,6 +36,7 @@ from kvmesh.common.config.schema import P2PConfig, RemoteConfig
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.protocol import controller as cproto
 from kvmesh.common.transport.controller_client import ControllerConnection
+from kvmesh.common.transport.kv_events_client import Delivery, KvEventsSubscriber
 from kvmesh.common.transport.lookup_service_client import (
     LookupServiceClient,
     LookupServiceError,
@@ -92,7 +95,11 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """The services, and four engines: a and b without a salt (per-request tenants),
     s1 and s2 with engine tenant salts "t1" and "t2"."""
     tmp = tmp_path_factory.mktemp("tenants")
-    controller = ControllerProcess(tmp, snapshot=False).start()
+    controller = ControllerProcess(tmp, snapshot=False)
+    events_port, replay_port = free_port(), free_port()
+    controller.env["KVMESH_CONTROLLER__EVENTS_PORT"] = str(events_port)
+    controller.env["KVMESH_CONTROLLER__EVENTS_REPLAY_PORT"] = str(replay_port)
+    controller.start()
     procs: list[Any] = [controller]
     engines: dict[str, KVEngine] = {}
     try:
@@ -122,7 +129,14 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                 return False
 
         wait_for(all_answer, 20, "the lookup-server to reach every engine")
-        yield {"controller": controller, "cache": cache, "lookup_url": lookup_url, **engines}
+        yield {
+            "controller": controller,
+            "cache": cache,
+            "lookup_url": lookup_url,
+            "events_url": f"tcp://127.0.0.1:{events_port}",
+            "replay_url": f"tcp://127.0.0.1:{replay_port}",
+            **engines,
+        }
     finally:
         for eng in engines.values():
             eng.close()
@@ -286,6 +300,87 @@ def test_two_tenants_storing_the_same_prompt_and_clearing_one(mesh) -> None:
     wait_for(lambda: p2p_lookup(b, alice).count == 0, 10, "the controller to drop alice's")
     assert a.lookup(prompt, tenant="alice") == b.lookup(prompt, tenant="alice") == 0
     assert b.lookup(prompt, tenant="bob") == N and a.lookup(prompt, tenant="bob") == N
+
+
+def test_kv_event_feed_topics_are_namespaces_not_tenants(mesh) -> None:
+    """The controller's KV-event feed: a consumer subscribed to bob's namespace gets
+    bob's chunks and never alice's; the unfiltered feed carries both under their own
+    namespace ids and no tenant name. The chunk hashes of the same prompt are equal:
+    the namespace (key prefix and topic) is what tells the tenants apart."""
+    a, b = mesh["a"], mesh["b"]
+    prompt = tokens(N, 106)
+    alice = {k.to_str() for k in keys_of(a, prompt, "alice")}
+    bob = {k.to_str() for k in keys_of(b, prompt, "bob")}
+    alice_ns, bob_ns = {k[:16] for k in alice}, {k[:16] for k in bob}
+    assert len(alice_ns) == len(bob_ns) == 1 and alice_ns != bob_ns
+    assert {k[17:] for k in alice} == {k[17:] for k in bob}
+
+    def stored(items: list[Delivery]) -> dict[str, str]:
+        """key -> the topic it came under, of every stored event so far."""
+        return {
+            e.key: d.topic
+            for d in items
+            for e in getattr(d.payload, "events", [])
+            if e.op == "stored"
+        }
+
+    async def main() -> tuple[list[Delivery], list[Delivery]]:
+        everything: list[Delivery] = []
+        bobs: list[Delivery] = []
+        changed = asyncio.Event()
+
+        async def pump(sub: KvEventsSubscriber, out: list[Delivery]) -> None:
+            async for item in sub:
+                assert isinstance(item, Delivery), item  # nothing lost on loopback
+                out.append(item)
+                changed.set()
+
+        async def seen(keys: set[str], *lists: list[Delivery], limit_s: float = 10.0) -> bool:
+            """Whether every key was stored in each list's events within limit_s."""
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(limit_s):
+                    while not all(keys <= stored(x).keys() for x in lists):
+                        changed.clear()
+                        await changed.wait()
+                    return True
+            return False
+
+        url, replay = mesh["events_url"], mesh["replay_url"]
+        async with (
+            KvEventsSubscriber(url, replay) as sub_all,
+            KvEventsSubscriber(url, replay, namespaces=sorted(bob_ns)) as sub_bob,
+        ):
+            tasks = [
+                asyncio.create_task(pump(sub_all, everything)),
+                asyncio.create_task(pump(sub_bob, bobs)),
+            ]
+            try:
+                # The feed publishes only while someone listens: warm-up stores of new
+                # prompts until one reaches both subscribers.
+                for seed in range(200, 230):
+                    warm = await asyncio.to_thread(store, b, tokens(N, seed), "bob")
+                    if await seen({k.to_str() for k in warm}, bobs, everything, limit_s=1.0):
+                        break
+                else:
+                    raise AssertionError("the KV-event feed never published")
+                await asyncio.to_thread(store, a, prompt, "alice")
+                await asyncio.to_thread(store, b, prompt, "bob")
+                assert await seen(alice | bob, everything), "both tenants' chunks on the feed"
+                assert await seen(bob, bobs), "bob's chunks on bob's subscription"
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        return everything, bobs
+
+    everything, bobs = asyncio.run(main())
+    seen_all, seen_bob = stored(everything), stored(bobs)
+    assert not alice & seen_bob.keys()  # bob's subscriber never hears of alice's chunks
+    assert set(seen_bob.values()) <= bob_ns
+    assert {seen_all[k] for k in alice} == alice_ns and {seen_all[k] for k in bob} == bob_ns
+    for d in everything:
+        raw = msgspec.msgpack.encode(d.payload)
+        assert b"alice" not in raw and b"bob" not in raw
 
 
 # -- engine tenant salts ------------------------------------------------------------------
