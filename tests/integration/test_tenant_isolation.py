@@ -7,10 +7,10 @@ Two kinds of tenant, both checked: a per-request tenant (the vLLM connector's
 (one deployment per tenant). Two tenants storing the same prompt get different keys;
 neither sees a hit of the other's chunks through any path: the engine's lookup and
 retrieve (L1, P2P, remote), the lookup-server's Lookup and BestInstances, the
-controller's PrefixCounts and P2PLookup, and its KV-event feed by namespace. Each negative has a positive control beside
-it (the owner, or the infrastructure view, does see the chunks), so a 0 means
-"isolated", not "broken". Admin outputs name counts and namespaces, not tenants or
-prompts; clearing one tenant's prompt leaves the other's.
+controller's PrefixCounts and P2PLookup, and its KV-event feed by namespace. Each
+negative has a positive control beside it (the owner, or the infrastructure view, does
+see the chunks), so a 0 means "isolated", not "broken". Admin outputs name counts and
+namespaces, not tenants or prompts; clearing one tenant's prompt leaves the other's.
 """
 
 from __future__ import annotations
