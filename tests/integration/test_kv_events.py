@@ -284,6 +284,42 @@ def chunk_count(ctl: ControllerProcess, worker: str) -> int:
     return sum(sum(w["chunks"].values()) for w in workers if w["worker_id"] == worker)
 
 
+def test_full_state_and_a_silent_worker_dropped(controller: ControllerProcess) -> None:
+    """A worker's FullState restates its chunks per namespace; one that stops
+    heartbeating is dropped by the controller, and the feed says so."""
+
+    async def main() -> None:
+        async with KvEventsSubscriber(controller.events_url, controller.replay_url) as sub:
+            await asyncio.to_thread(subscribed, controller)
+            worker = ControllerConnection(controller.url, timeout_s=WAIT_S)
+            await worker.connect()
+            try:
+                reg = await worker.request(
+                    proto.Register(worker.next_rid(), "S", 0, 1, [NS], "", 0.1),
+                    proto.RegisterReply,
+                )
+                other = "0f" * 8
+                keys = [f"{NS}-{i:032x}" for i in range(2)] + [f"{other}-{9:032x}"]
+                await worker.request(
+                    proto.FullState(worker.next_rid(), reg.worker_id, 0, {"disk": keys}),
+                    proto.FullStateReply,
+                )
+                # Never a heartbeat: dropped after heartbeat_misses (3) x 0.1 s.
+                got = deliveries(await collect(sub, lambda items: len(items) >= 4))
+            finally:
+                await worker.close()
+        states = {d.topic: d.payload for d in got if isinstance(d.payload, kv.WorkerState)}
+        assert set(states) == {NS, other}
+        assert states[NS].events == [kv.KVEvent("stored", k, "disk") for k in keys[:2]]
+        assert states[other].events == [kv.KVEvent("stored", keys[2], "disk")]
+        left = {d.topic: d.payload for d in got if isinstance(d.payload, kv.WorkerLeft)}
+        assert set(left) == {NS, other}
+        assert {p.reason for p in left.values()} == {"dropped"}
+        assert [d.seq for d in got] == [1, 2, 3, 4]
+
+    asyncio.run(main())
+
+
 def test_too_old_and_malformed_replays(tmp_path: Path) -> None:
     ctl = ControllerProcess(tmp_path, snapshot=False, events=True)
     ctl.env["KVMESH_CONTROLLER__EVENTS_REPLAY_SIZE"] = "4"
