@@ -245,3 +245,29 @@ def test_a_frozen_cacheserver_is_a_timeout_per_chunk(tmp_path) -> None:
             assert value(eng, "chunk_hits_total", tier="remote") == 4
         finally:
             eng.close()
+
+
+def test_a_chunk_evicted_from_disk_is_a_miss_for_eviction(tmp_path: Path) -> None:
+    disk = DiskConfig(enabled=True, path=str(tmp_path), max_size=1 << 20)  # the least allowed
+    eng, _, _ = l1_engine(disk=disk)
+    try:
+        tier = eng.storage.tier("disk")
+        first = prompt(2, 1000)
+        assert eng.store(first, torch.randperm(SLOTS)[:16]) == 16
+        assert tier.flush(10)
+        # Fill the disk (LRU) until files go: `first`'s two, the oldest, go first.
+        base = 1_000_000
+        while value(eng, "evictions_total", tier="disk") < 2:
+            base += 1000
+            assert eng.store(prompt(16, base), torch.arange(128) % SLOTS) == 128
+            assert tier.flush(10)
+        eng.clear(tier="l1")
+        before = misses(eng, "disk")
+        assert not bool(eng.retrieve(first, torch.randperm(SLOTS)[:16]).any())
+        assert delta(before, misses(eng, "disk")) == {"evicted": 2}
+        # A prompt the disk never had, for contrast.
+        before = misses(eng, "disk")
+        eng.retrieve(prompt(2, 5_000_000), torch.randperm(SLOTS)[:16])
+        assert delta(before, misses(eng, "disk")) == {"not_stored": 2}
+    finally:
+        eng.close()
