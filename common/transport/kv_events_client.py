@@ -14,8 +14,6 @@ A message at or below it (a replayed one arriving again from the PUB) is dropped
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
@@ -277,15 +275,3 @@ class KvEventsSubscriber:
         if self._dealer is not None:
             self._dealer.close(linger=0)
             self._dealer = None
-
-
-async def first_items(sub: KvEventsSubscriber, n: int, timeout_s: float) -> list[Item]:
-    """The next n items, or fewer when timeout_s passes first (for scripts and tests)."""
-    out: list[Item] = []
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(timeout_s):
-            async for item in sub:
-                out.append(item)
-                if len(out) >= n:
-                    break
-    return out
