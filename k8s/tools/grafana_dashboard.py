@@ -130,6 +130,15 @@ ROWS: list[tuple[str, list[Panel]]] = [
             (rate("kvmesh_controller_workers_dropped_total", "reason"), "dropped {{reason}}"),
             (rate("kvmesh_controller_errors_total", "code"), "errors {{code}}"),
         ], unit="ops"),
+        Panel("Controller: KV-event feed", [
+            (rate("kvmesh_controller_events_published_total"), "messages published"),
+            (gauge("kvmesh_controller_events_topics", "max"), "topics subscribed"),
+            (rate("kvmesh_controller_events_epochs_total"), "new epochs"),
+            (rate("kvmesh_controller_event_replay_requests_total", "op"), "replay {{op}}"),
+            (rate("kvmesh_controller_event_replay_errors_total", "code"),
+             "replay errors {{code}}"),
+        ], width=18, description="The feed for routers and scripts "
+                                 "(controller.events_port); empty while it is off."),
         Panel("Lookup-server: index in sync", [
             (gauge("kvmesh_lookup_index_in_sync", "min"), "in sync (all replicas)"),
         ], kind="stat", width=6, extra={"mappings": [{"type": "value", "options": {
@@ -139,7 +148,7 @@ ROWS: list[tuple[str, list[Panel]]] = [
             (gauge("kvmesh_lookup_index_staleness_seconds", "max"), "staleness (s)"),
             (rate("kvmesh_lookup_controller_fallbacks_total", "op"), "fallbacks {{op}}"),
             (rate("kvmesh_lookup_index_resyncs_total", "reason"), "resyncs {{reason}}"),
-        ], width=18),
+        ], width=24),
     ]),
     ("Bridge and cache-server", [
         Panel("Bridge requests and fallbacks", [
@@ -206,6 +215,11 @@ def _panel(p: Panel, pid: int, x: int, y: int) -> dict:
             for i, (expr, legend) in enumerate(p.targets)
         ],
     }
+    if p.kind == "stat":
+        out["options"] = {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "colorMode": "background",
+        }
     if p.description:
         out["description"] = p.description
     defaults = out["fieldConfig"]["defaults"]

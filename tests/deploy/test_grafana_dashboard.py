@@ -88,7 +88,11 @@ def metric_pages(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
     from kvmesh.services.worker.engine import KVEngine
 
     tmp = tmp_path_factory.mktemp("dashboard")
-    controller = ControllerProcess(tmp, snapshot=False).start()
+    controller = ControllerProcess(tmp, snapshot=False)
+    # The KV-event feed on: its metrics exist only then.
+    controller.env["KVMESH_CONTROLLER__EVENTS_PORT"] = str(free_port())
+    controller.env["KVMESH_CONTROLLER__EVENTS_REPLAY_PORT"] = str(free_port())
+    controller.start()
     procs: list = [controller]
     engine = None
     try:
