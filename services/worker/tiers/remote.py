@@ -254,6 +254,7 @@ class RemoteTier:
     async def aget(self, key: ChunkKey, allocator: Allocator) -> MemoryObj | None:
         gets = self.stats.gets
         if self._closed:
+            gets["down"].inc()
             self.misses.inc(MissReason.ERROR)
             return None
         if not self._check_connection():
