@@ -8,8 +8,10 @@ metric name in one global registry would fail.
 
 from __future__ import annotations
 
+import sys
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 import prometheus_client as prom
@@ -120,4 +122,19 @@ class _BoundLabels:
 def serve_metrics(metrics: Metrics, port: int, host: str = "127.0.0.1") -> WSGIServer:
     """Expose one component's metrics over HTTP on a daemon thread; port 0 picks one."""
     server, _thread = prom.start_http_server(port, addr=host, registry=metrics.registry)
+    server.handle_error = _QuietHangups(server.handle_error)  # type: ignore[method-assign]
     return server
+
+
+class _QuietHangups:
+    """socketserver's handle_error, less the traceback it prints on stderr (vLLM's own
+    log) for a client that hung up before its answer was written: a port scan, a
+    scraper that timed out. That is not an error of ours; anything else still is."""
+
+    def __init__(self, handle_error: Callable[[Any, Any], None]) -> None:
+        self._handle_error = handle_error
+
+    def __call__(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], ConnectionError | TimeoutError):
+            return
+        self._handle_error(request, client_address)
