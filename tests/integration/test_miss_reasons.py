@@ -1,16 +1,19 @@
 """Hits and misses per tier with a reason (kvmesh_chunk_misses_total{tier,reason}) move
 by exactly what a test did: N chunks stored and loaded, a prompt never stored, an L1
 eviction, a corrupt disk file and a corrupt Redis value (a miss, never wrong bytes),
-a removed remote value, a stopped redis-server and a frozen cache-server."""
+a removed remote value, a stopped redis-server, a frozen cache-server, and values a
+cache-server evicted (counted on both sides)."""
 
 from __future__ import annotations
 
 import signal
+import urllib.request
 from pathlib import Path
 
 import pytest
 import redis
 import torch
+from kvtest.bridge import parse_metrics
 from kvtest.paged import bits, make_cache, slot_tokens
 from kvtest.remote import CacheServerProcess, RedisProcess, remote_engine
 from kvtest.waiting import wait_for
@@ -271,3 +274,43 @@ def test_a_chunk_evicted_from_disk_is_a_miss_for_eviction(tmp_path: Path) -> Non
         assert delta(before, misses(eng, "disk")) == {"not_stored": 2}
     finally:
         eng.close()
+
+
+def cacheserver_misses(server: CacheServerProcess) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics") as resp:
+        metrics = parse_metrics(resp.read().decode())
+    return {
+        r: metrics.get(f'kvmesh_cacheserver_misses_total{{reason="{r}"}}', 0.0)
+        for r in ("not_stored", "evicted", "checksum", "timeout")
+    }
+
+
+def test_values_the_cacheserver_evicted_are_evicted_on_both_sides(tmp_path) -> None:
+    """A cache-server with room for a few dozen chunks: what this worker stored and the
+    server evicted is an `evicted` miss for the worker's remote tier and for the
+    server; a prompt never stored is `not_stored` on both."""
+    options = {"max-memory": "64KiB", "max-value-size": "32KiB"}
+    with CacheServerProcess(tmp_path, metrics=True, **options) as server:
+        view, _, _ = make_cache("cpu", torch.float16, True, blocks=BLOCKS, block_size=BLOCK)
+        eng = remote_engine(server.url, view, instance="evict-miss", chunk=CHUNK)
+        remote = eng.storage.tier("remote")
+        try:
+            first = prompt(2, 1000)
+            assert eng.store(first, torch.randperm(SLOTS)[:16]) == 16
+            assert remote.flush(5)
+            # Well past the server's memory: `first`, the least recently used, goes.
+            for i in range(8):
+                assert eng.store(prompt(8, 100_000 * (i + 1)), torch.arange(64)) == 64
+                assert remote.flush(5)
+            eng.clear(tier="l1")
+            before, server_before = misses(eng, "remote"), cacheserver_misses(server)
+            assert not bool(eng.retrieve(first, torch.randperm(SLOTS)[:16]).any())
+            assert delta(before, misses(eng, "remote")) == {"evicted": 2}
+            assert delta(server_before, cacheserver_misses(server)) == {"evicted": 2}
+
+            before, server_before = misses(eng, "remote"), cacheserver_misses(server)
+            eng.retrieve(prompt(2, 9_000_000), torch.randperm(SLOTS)[:16])
+            assert delta(before, misses(eng, "remote")) == {"not_stored": 2}
+            assert delta(server_before, cacheserver_misses(server)) == {"not_stored": 2}
+        finally:
+            eng.close()
