@@ -23,6 +23,7 @@ bench: install
 	$(VENV)/bin/python -m benchmarks.allocator
 	$(VENV)/bin/python -m benchmarks.disk
 	$(VENV)/bin/python -m benchmarks.remote
+	$(VENV)/bin/python -m benchmarks.codec
 	$(VENV)/bin/python -m benchmarks.engine
 	$(VENV)/bin/python -m benchmarks.controller
 	$(VENV)/bin/python -m benchmarks.p2p

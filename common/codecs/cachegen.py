@@ -6,9 +6,10 @@ deltas between neighbouring tokens, then entropy coding.
    one "K/V" slot). A single-layer chunk (the layer-by-layer formats) counts as an
    early layer and gets the most bits.
 2. **Bits per layer.** The layers are split into `len(layer_bits)` equal bands, first
-   band first: the default (8, 6, 4) gives the first third 8 bits, the middle third 6
+   band first: the default (6, 5, 4) gives the first third 6 bits, the middle third 5
    and the last third 4, because errors in early layers travel through every later
-   one (CacheGen's observation).
+   one (CacheGen's observation). (8, 6, 4) is closer but ~20% larger
+   (docs/benchmarks.md).
 3. **Per-channel quantisation.** For each (layer, K/V, channel) the chunk's minimum
    and step ((max - min) / (2^bits - 1)) over its tokens, stored as float32; values
    become integer codes round((x - min) / step). Per channel, because KV channels
@@ -58,8 +59,12 @@ from kvmesh.common.memory import MemoryFormat
 Bits = Annotated[int, msgspec.Meta(ge=1, le=8)]
 _LEN = struct.Struct("<I")
 _T = TypeVar("_T")
-# Tokens dequantised per step: a block's float32 temporaries stay in the CPU's cache.
-_BLOCK_TOKENS = 8
+# Values dequantised per step: a block's float32 temporaries stay in the CPU's cache.
+_BLOCK_VALUES = 1 << 18
+# torch's cumsum over the token axis is fast for short rows, a Python loop of
+# contiguous row adds for long ones (measured: 2K values 0.8 vs 1.5 ms per 256 tokens,
+# 64K values 53 vs 4 ms).
+_ROW_LOOP_FROM = 8192
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FORMATS = (MemoryFormat.KV_2LTD, MemoryFormat.KV_2TD, MemoryFormat.KV_T2D, MemoryFormat.KV_MLA)
 
@@ -67,7 +72,7 @@ _FORMATS = (MemoryFormat.KV_2LTD, MemoryFormat.KV_2TD, MemoryFormat.KV_T2D, Memo
 class CacheGenParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The settings a cachegen payload was written with (stored in it)."""
 
-    layer_bits: Annotated[tuple[Bits, ...], msgspec.Meta(min_length=1, max_length=64)] = (8, 6, 4)
+    layer_bits: Annotated[tuple[Bits, ...], msgspec.Meta(min_length=1, max_length=64)] = (6, 5, 4)
     """Bits per value for each equal band of layers, first layers first."""
     zstd_level: Annotated[int, msgspec.Meta(ge=1, le=19)] = 1
     """zstd level of the entropy stage (higher: slower writes, a few % smaller)."""
@@ -252,11 +257,15 @@ class CacheGenCodec(Codec):
         """Undo the deltas (a running sum over tokens, modulo 256, then the band's bit
         mask) and the quantisation of q [T, l, kv, C] into dst [l, kv, T, C], a block
         of tokens at a time so the temporaries stay in cache."""
-        tokens = q.shape[0]
-        for t in range(1, tokens):  # each row is contiguous: one fast add per token
-            q[t] += q[t - 1]
+        tokens, row = q.shape[0], q[0].numel()
+        if row < _ROW_LOOP_FROM:
+            q = torch.cumsum(q, 0, dtype=torch.uint8)  # wraps: a sum modulo 256
+        else:
+            for t in range(1, tokens):  # each row is contiguous: one fast add per token
+                q[t] += q[t - 1]
         q &= levels
         dst_t = dst.permute(2, 0, 1, 3)
-        for t0 in range(0, tokens, _BLOCK_TOKENS):
-            t1 = min(tokens, t0 + _BLOCK_TOKENS)
+        block = max(1, _BLOCK_VALUES // row)
+        for t0 in range(0, tokens, block):
+            t1 = min(tokens, t0 + block)
             torch.addcmul(lo_v, q[t0:t1].float(), step, out=dst_t[t0:t1])

@@ -78,7 +78,7 @@ class CacheGenConfig(_Section):
 
     # Bits per value of each equal band of layers, first layers first.
     layer_bits: Annotated[list[CacheGenBits], msgspec.Meta(min_length=1, max_length=64)] = (
-        msgspec.field(default_factory=lambda: [8, 6, 4])
+        msgspec.field(default_factory=lambda: [6, 5, 4])
     )
     # zstd level of the entropy stage (higher: slower writes, a few percent smaller).
     zstd_level: Annotated[int, msgspec.Meta(ge=1, le=19)] = 1

@@ -7,18 +7,18 @@ A computes everything itself, so its outputs are plain vLLM's. A fresh process B
 the prompts' chunks from the cachegen disk tier only and answers them.
 
 Asserted: B's greedy completions equal A's on every prompt, every chunk came from the
-disk, and each layer's decoded K and V keep a cosine similarity > 0.999 with the
+disk, and each layer's decoded K and V keep a cosine similarity > 0.995 with the
 original. Reported (printed; recorded in docs/benchmarks.md): the compression ratio,
 the largest absolute error, the per-layer cosine similarity, and the change of the
 first generated token's logprobs between A and B.
 
-Why 0.999: the first layer is quantised to 8 bits, the second to 6 (the defaults'
-first two bands; the tiny model has two layers). Uniform quantisation with step s has
-an error of about s / sqrt(12) per value; at 6 bits over a channel's range r that is
-r / 218, against values whose RMS is about r / 4, so the angle's cosine is about
-1 - (4 / 218)^2 / 2 ≈ 0.9998. The bound leaves room for channels with one outlier
-token, and it is still tight enough to fail on a wrong scale, axis or layer order
-(which gives cosines far below 0.99).
+Why 0.995: the default bands give the first layer 6 bits and the second 5 (the tiny
+model has two layers; docs/configuration.md, `layer_bits`). Uniform quantisation with
+step s has an error of about s / sqrt(12) per value; at 5 bits over a channel's range
+r that is r / 107, against values whose RMS is about r / 4, so the cosine is about
+1 - (4 / 107)^2 / 2 ≈ 0.9993 (measured: 0.9985 in the worst chunk, whose channels
+have outlier tokens). 0.995 leaves room for such chunks and still fails on a wrong
+scale, axis or layer order, which give cosines far below 0.99.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ pytestmark = pytest.mark.timeout(900)
 # A fixed prompt set: four unrelated 1000-token prompts (three 256-token chunks each).
 PROMPTS = [prompt_tokens(1000, seed=100 + i) for i in range(4)]
 MAX_TOKENS = 16
-COSINE_BOUND = 0.999
+COSINE_BOUND = 0.995
 
 
 def _steps() -> list[Step]:
