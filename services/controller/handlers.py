@@ -25,6 +25,7 @@ MAX_ID_CHARS = 256
 MAX_COMPRESS_S = 3600.0
 # A worker registers one namespace per model/layout it serves: a handful.
 MAX_NAMESPACES = 64
+MAX_HEARTBEAT_S = 86_400.0
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -82,8 +83,13 @@ class Handlers:
     def register(self, peer: bytes, msg: proto.Register) -> Any:
         if not 0 < len(msg.instance_id) <= MAX_ID_CHARS or not msg.instance_id.isprintable():
             return proto.error_reply(msg.rid, ErrorCode.BAD_REQUEST, "instance_id: 1-256 printable")
-        if not (0 <= msg.rank < msg.world_size) or msg.heartbeat_s <= 0:
+        if not (0 <= msg.rank < msg.world_size):
             return proto.error_reply(msg.rid, ErrorCode.BAD_REQUEST, "need 0 <= rank < world_size")
+        # NaN, inf or a period of years would keep the worker, silent or gone, forever.
+        if not 0 < msg.heartbeat_s <= MAX_HEARTBEAT_S:
+            return proto.error_reply(
+                msg.rid, ErrorCode.BAD_REQUEST, f"heartbeat_s: in (0, {MAX_HEARTBEAT_S:g}]"
+            )
         # The registry and the lookup-servers' indexes read namespaces as hex ints: one
         # that is not would fail every later prefix count, not just this worker's.
         bad = next((ns for ns in msg.namespaces if not is_namespace_id(ns)), None)

@@ -211,6 +211,11 @@ def test_invalid_requests_of_a_session(controller) -> None:
             assert (
                 await code_of(proto.Register(c.next_rid(), "x", 2, 2, [])) == ErrorCode.BAD_REQUEST
             )
+            # A heartbeat period that never ends keeps a gone worker forever (found by
+            # tests/fuzz).
+            for period in (float("nan"), float("inf"), 1e300, 0.0, -1.0):
+                bad = proto.Register(c.next_rid(), "x", 0, 1, [], "", period)
+                assert await code_of(bad) == ErrorCode.BAD_REQUEST, period
             too_many = [KEY] * (proto.MAX_LOOKUP_KEYS + 1)
             assert await code_of(proto.P2PLookup(c.next_rid(), too_many)) == ErrorCode.BAD_REQUEST
             # Unknown instances: refused as a whole, no worker asked.
