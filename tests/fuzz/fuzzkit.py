@@ -21,7 +21,7 @@ import os
 import socket
 import time
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -537,15 +537,23 @@ def send_http(host: str, port: int, req: HttpRequest, timeout: float = REPLY_S) 
     return status
 
 
+SLOW_REQUESTS = (
+    b"POST /x HTTP/1.1\r\nContent-Le",  # stopped in the headers
+    # stopped in the body, and one that promised far more than it will ever send
+    b'POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"a": ',
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000\r\n\r\n{",
+)
+
+
 @contextlib.contextmanager
-def slow_client(host: str, port: int, partial: bytes = b"POST /x HTTP/1.1\r\nContent-Le"):
-    """A connection that sent part of a request and went quiet, held open meanwhile."""
-    sock = socket.create_connection((host, port), timeout=5)
-    try:
-        sock.sendall(partial)
-        yield sock
-    finally:
-        sock.close()
+def slow_client(host: str, port: int) -> Iterator[None]:
+    """Connections that each sent part of a request and went quiet, held open meanwhile
+    (a server serving one request at a time would stall behind them)."""
+    with contextlib.ExitStack() as stack:
+        for partial in SLOW_REQUESTS:
+            sock = stack.enter_context(socket.create_connection((host, port), timeout=5))
+            sock.sendall(partial)
+        yield
 
 
 def http_get(
