@@ -104,8 +104,10 @@ class StorageManager:
         objs = self._l1_prefix(keys)
         names = [self.l1.name] * len(objs)
         if len(objs) < len(keys) and self.lower:
+            deadline = time.monotonic() + self._io_timeout_s
+            rest = self._lower_prefix(keys[len(objs) :], deadline)
             try:
-                more = self._loop.run(self._lower_prefix(keys[len(objs) :]), self._io_timeout_s)
+                more = self._loop.run(rest, self._io_timeout_s)
             except TimeoutError:
                 # The gets still in flight are cancelled on the loop, which counts each
                 # as a timeout miss of the tier it was waiting on.
@@ -135,8 +137,10 @@ class StorageManager:
                 self.l1.misses.inc(reason)
         return objs
 
-    async def _lower_prefix(self, keys: Sequence[ChunkKey]) -> list[tuple[MemoryObj, str]]:
-        tasks = [asyncio.ensure_future(self._aget_lower(k)) for k in keys]
+    async def _lower_prefix(
+        self, keys: Sequence[ChunkKey], deadline: float | None = None
+    ) -> list[tuple[MemoryObj, str]]:
+        tasks = [asyncio.ensure_future(self._aget_lower(k, deadline)) for k in keys]
         try:
             fetched = await asyncio.gather(*tasks)
         except BaseException:
@@ -156,16 +160,20 @@ class StorageManager:
             out.append(item)
         return out
 
-    async def _aget_lower(self, key: ChunkKey) -> tuple[MemoryObj, str] | None:
+    async def _aget_lower(
+        self, key: ChunkKey, deadline: float | None
+    ) -> tuple[MemoryObj, str] | None:
         """The first lower tier's copy of key. A tier counts its own misses when it
-        answers None; what it cannot count (it raised, or the deadline cancelled the
-        get) is counted here."""
+        answers None; what it cannot count (it raised, or `deadline` passed and the
+        get was cancelled) is counted here. A get cancelled before its deadline (a
+        prefetch released, the engine closing) was abandoned, not missed."""
         for tier in self.lower:
             try:
                 async with self._io_slots:
                     obj = await tier.aget(key, self.l1)
             except asyncio.CancelledError:
-                _count_miss(tier, MissReason.TIMEOUT)
+                if deadline is not None and time.monotonic() >= deadline:
+                    _count_miss(tier, MissReason.TIMEOUT)
                 raise
             except Exception as exc:
                 log.warning("tier get failed", tier=tier.name, error=repr(exc))
