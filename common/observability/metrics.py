@@ -8,12 +8,15 @@ metric name in one global registry would fail.
 
 from __future__ import annotations
 
+import socket
 import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from socketserver import ThreadingMixIn
 from typing import Any
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
+import msgspec
 import prometheus_client as prom
 from prometheus_client.core import CollectorRegistry
 
@@ -119,11 +122,99 @@ class _BoundLabels:
         return value
 
 
-def serve_metrics(metrics: Metrics, port: int, host: str = "127.0.0.1") -> WSGIServer:
-    """Expose one component's metrics over HTTP on a daemon thread; port 0 picks one."""
-    server, _thread = prom.start_http_server(port, addr=host, registry=metrics.registry)
+def serve_metrics(
+    metrics: Metrics,
+    port: int,
+    host: str = "127.0.0.1",
+    health: Callable[[], object] | None = None,
+) -> WSGIServer:
+    """Serve one component's /metrics and /health over HTTP on a daemon thread; port 0
+    picks one. Stop with `shutdown()` then `server_close()` (which frees the port).
+
+    GET /metrics            the Prometheus text (or OpenMetrics, by the Accept header:
+                            prometheus_client's own negotiation, gzip included)
+    GET /health, /healthz   200 and `health()` encoded as JSON (msgspec: a Struct or a
+                            dict); 500 with the error when it raises. Without `health`,
+                            {"status": "ok"}: answering at all is the liveness.
+
+    HEAD works on each; any other method gets 405, any other path 404. A thread per
+    request, never the component's event loop: in a vLLM worker that loop does cache
+    I/O, and a slow scraper must not stall it (nor it the scraper)."""
+    family, addr = _best_family(host, port)
+    server_cls = type("_ProbeServer", (_ThreadingServer,), {"address_family": family})
+    app = _ProbeApp(prom.make_wsgi_app(metrics.registry), health)
+    server = make_server(addr, port, app, server_cls, handler_class=_QuietHandler)
     server.handle_error = _QuietHangups(server.handle_error)  # type: ignore[method-assign]
+    thread = threading.Thread(target=server.serve_forever, name="kvmesh-metrics-http", daemon=True)
+    thread.start()
     return server
+
+
+HEALTH_PATHS = ("/health", "/healthz")
+_JSON = [("Content-Type", "application/json")]
+_TEXT = [("Content-Type", "text/plain; charset=utf-8")]
+
+
+class _ProbeApp:
+    """The WSGI router of `serve_metrics`."""
+
+    def __init__(
+        self, metrics_app: Callable[..., Iterable[bytes]], health: Callable[[], object] | None
+    ) -> None:
+        self._metrics_app = metrics_app
+        self._health = health
+
+    def __call__(
+        self, environ: dict[str, Any], start_response: Callable[..., Any]
+    ) -> Iterable[bytes]:
+        method = environ.get("REQUEST_METHOD", "")
+        path = environ.get("PATH_INFO", "")
+        if method not in ("GET", "HEAD"):
+            start_response("405 Method Not Allowed", [*_TEXT, ("Allow", "GET, HEAD")])
+            return [b"GET only\n"]
+        if path == "/metrics":
+            # prometheus_client answers HEAD with 405: ask it for a GET, send no body.
+            body = self._metrics_app({**environ, "REQUEST_METHOD": "GET"}, start_response)
+            return [] if method == "HEAD" else body
+        if path in HEALTH_PATHS:
+            status, body = self._health_body()
+            start_response(status, _JSON)
+            return [] if method == "HEAD" else [body]
+        start_response("404 Not Found", _TEXT)
+        return [b"try /metrics or /health\n"]
+
+    def _health_body(self) -> tuple[str, bytes]:
+        if self._health is None:
+            return "200 OK", b'{"status":"ok"}'
+        try:
+            return "200 OK", msgspec.json.encode(self._health())
+        except Exception as exc:
+            # A bug in the report, not an outage: say so, without taking the process down.
+            error = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
+            return "500 Internal Server Error", msgspec.json.encode(error)
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    """One thread per request, none of which keeps the process alive at exit."""
+
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log on stderr (vLLM's log); a client that sends nothing is dropped
+    after `timeout` instead of holding its thread."""
+
+    timeout = 10.0
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def _best_family(host: str, port: int) -> tuple[socket.AddressFamily, str]:
+    """The address family of host (an IPv6 literal such as "::" needs AF_INET6)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, sockaddr = infos[0]
+    return family, str(sockaddr[0])
 
 
 class _QuietHangups:

@@ -29,6 +29,7 @@ from kvmesh.common.transport.curve import CurveKeys
 from kvmesh.gpu_ext import make_copier
 from kvmesh.services.worker import layerwise
 from kvmesh.services.worker.compress import CompressResult, rewrite_chunks
+from kvmesh.services.worker.engine_health import engine_health
 from kvmesh.services.worker.events import KVEventBuffer, KVEventKind
 from kvmesh.services.worker.loop_thread import LoopThread
 from kvmesh.services.worker.mla import MLABroadcast
@@ -171,7 +172,10 @@ class KVEngine:
         if config.metrics_port:
             # Rank r on port + r: every worker of a host has its own endpoint.
             metrics = serve_metrics(
-                self.stats.metrics, config.metrics_port + rank, config.metrics_host
+                self.stats.metrics,
+                config.metrics_port + rank,
+                config.metrics_host,
+                health=lambda: engine_health(self),
             )
             # Hooks run last-added first: stop serving, then free the port (shutdown()
             # alone leaves the listening socket bound).
