@@ -25,10 +25,23 @@ from kvmesh.services.cli.serving import load_security, load_service_config, run_
 @click.option("--heartbeat-misses", type=int, default=None, help="Missed heartbeats to drop.")
 @click.option("--admin-timeout-s", type=float, default=None, help="Per-worker admin deadline.")
 @click.option(
+    "--events-port",
+    type=int,
+    default=None,
+    help="KV-event feed XPUB port (controller.events_port); 0 = off.",
+)
+@click.option(
+    "--events-replay-port",
+    type=int,
+    default=None,
+    help="The feed's replay ROUTER port (controller.events_replay_port); needs the feed.",
+)
+@click.option(
     "--ready-file",
     type=click.Path(dir_okay=False, path_type=str),
     default=None,
-    help="Write {pid, port, http_port} as JSON here once serving.",
+    help="Write {pid, port, http_port, events_port, events_replay_port} as JSON here "
+    "once serving (0 for a socket that is off).",
 )
 def controller(config_file: str | None, ready_file: str | None, **options: Any) -> None:
     """Serve the controller until SIGTERM or Ctrl-C (it snapshots on the way out).
@@ -45,5 +58,10 @@ def controller(config_file: str | None, ready_file: str | None, **options: Any) 
         cfg,
         lambda: ControllerServer(cfg.controller, curve=curve, http_token=http_token),
         ready_file,
-        lambda s: {"port": s.port, "http_port": s.http.port if s.http else None},
+        lambda s: {
+            "port": s.port,
+            "http_port": s.http.port if s.http else None,
+            "events_port": s.events_pub.port if s.events_pub else 0,
+            "events_replay_port": cfg.controller.events_replay_port if s.events_replay else 0,
+        },
     )
