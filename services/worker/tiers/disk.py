@@ -3,7 +3,10 @@
 - **Format** (disk_format.py; the header is common/chunk_codec.py's `FILE_LAYOUT`):
   a 4 KiB header (magic, version, full key, shape, dtype, memory format, payload
   length, xxh3 of the payload and of the header), then the payload. Files are named
-  by the key's hash, never by a user string.
+  by the key's hash, never by a user string. With `codec` (engine.disk.compression)
+  the payload is the codec's (common/codecs/, written only when smaller) and the
+  header names the codec, so any tier reads any file; an entry's size is then the
+  file's, smaller than header + chunk, which is how a read knows to decode.
 - **Writes** go to a temporary name and are renamed into place, so a crash never
   leaves a half-written file under a real name; O_DIRECT when buffer and length are
   aligned (disk_io.py). `submit_put` never blocks: it takes a reference on the source

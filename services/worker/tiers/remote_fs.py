@@ -5,7 +5,8 @@ Files use the disk tier's format (disk_format.py: common/chunk_codec.py's
 checksums, then the raw chunk), laid out the same way:
 `<path>/<namespace id>/<ns id>-<hash>.kv`. Writes go to a hidden temporary name and
 are renamed into place, so readers on other hosts never see half a file. Values are
-never compressed here (the format has no codec field).
+never compressed here (the connector says `compresses = False`; the format could carry a
+codec since version 2, see common/chunk_codec.py).
 
 Nothing here evicts: bound the directory with the filesystem's quota or a periodic
 cleaner (oldest access first). All I/O runs on a small thread pool, so a slow mount

@@ -66,6 +66,7 @@ def test_lossless_files_read_back_bitwise_also_after_a_restart(
         put(tier, pool, 1)
         size = os.path.getsize(file_of(tier, 1))
         assert size < FILE_LAYOUT.size + kv(1).nbytes
+        assert tier.used_bytes == size  # the tier counts what the file takes, not the chunk
         obj = get(tier, pool, 1)
         assert obj is not None and torch.equal(obj.tensor, kv(1))
         assert obj.checksum is not None
@@ -78,6 +79,7 @@ def test_lossless_files_read_back_bitwise_also_after_a_restart(
     again = DiskTier(tmp_path / "d", 64 * MiB, io_threads=2)
     assert again.wait_indexed(10)
     try:
+        assert again.used_bytes == size
         obj = get(again, pool, 1)
         assert obj is not None and torch.equal(obj.tensor, kv(1))
         obj.ref_down()
