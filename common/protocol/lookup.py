@@ -39,11 +39,14 @@ from kvmesh.common.protocol import wire
 
 PROTOCOL_VERSION = 1
 MAX_TOKENS = 1 << 22  # 16 MiB of token ids; far beyond any context length
+TOKEN_BYTES = 4
+# The largest frame a lookup server reads: a LookupPrefix of MAX_TOKENS and its other
+# fields. ZMQ drops the connection of a sender of more, before buffering it.
+MAX_MESSAGE_BYTES = MAX_TOKENS * TOKEN_BYTES + (1 << 20)
 MAX_ID_CHARS = 256  # lookup ids and tenant salts
 # sockaddr_un.sun_path is 108 bytes with the terminating NUL.
 MAX_IPC_PATH_BYTES = 107
 
-TOKEN_BYTES = 4
 _U32 = next(c for c in ("I", "L") if array.array(c).itemsize == TOKEN_BYTES)
 _LITTLE_ENDIAN = sys.byteorder == "little"
 

@@ -120,6 +120,9 @@ class LookupServer:
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.linger = 0
+        # Inside the engine's process (vLLM's): a peer's giant frame must not be
+        # buffered whole.
+        sock.setsockopt(zmq.MAXMSGSIZE, proto.MAX_MESSAGE_BYTES)
         # CURVE on tcp only: an ipc endpoint is guarded by its directory's mode (0700).
         curve = self.engine.curve if self.endpoint.startswith("tcp://") else None
         guard = CurveGuard(ctx, curve, self.engine.stats.metrics, "worker")

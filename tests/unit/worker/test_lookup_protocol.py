@@ -233,6 +233,23 @@ def test_malformed_frames_get_error_replies_and_the_server_goes_on(served) -> No
     assert errors == 2
 
 
+def test_a_frame_over_the_limit_costs_only_its_connection(served) -> None:
+    """A frame beyond MAX_MESSAGE_BYTES is never buffered in the engine's process: its
+    connection is dropped unanswered, and the server goes on (found by tests/fuzz)."""
+    eng, server, client = served
+    sock = raw_dealer(server.endpoint)
+    try:
+        huge = b"\x00" * (proto.MAX_MESSAGE_BYTES + 4)
+        sock.send(proto.encode(proto.LookupPrefix(7, 1, "id", huge)))
+        with pytest.raises(zmq.Again):
+            sock.recv()  # no BAD_TOKENS reply: it was never read
+    finally:
+        sock.close(0)
+    p = prompt(8)
+    eng.store(p, slots(8))
+    assert client.lookup(p, "after-huge") == 8
+
+
 def test_dead_peer_is_zero_hits_within_the_deadline(ipc_dir: Path) -> None:
     missing = f"ipc://{ipc_dir}/nobody.sock"
     with LookupClient([missing], timeout_s=0.2) as client:
