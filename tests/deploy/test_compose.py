@@ -8,10 +8,12 @@ reuses what it made before when nothing changed.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.request
@@ -207,3 +209,137 @@ def test_pd_profile_pushes_the_prompt_kv_from_the_prefiller(mesh: dict[str, str]
     # loaded by the worker (the decoder) instead of computed.
     assert metric(metrics(WORKER_METRICS), "kvmesh_pd_received_chunks_total") - received >= 5
     assert hit_tokens() - before >= 5 * 256
+
+
+# -- CURVE (docker/compose/curve.yaml) --------------------------------------------------
+# Last in the module: it takes the mesh down and brings the keyed services up in its
+# place (same host ports). Only the controller, the lookup-server and the cache-server:
+# they hold every kvmesh socket an outside client talks to, and start in seconds where
+# a vLLM worker takes minutes.
+CURVE_SERVICES = ["controller", "lookup", "cacheserver"]
+NS = "00112233445566ff"
+
+
+def _kvmesh(args: list[str], keys: Path | None) -> subprocess.CompletedProcess[str]:
+    """The host venv's `kvmesh ARGS`, keyed as an admin's client (keys/admin.*) or not."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVMESH_", "DOCKER_"))}
+    env["KVMESH_CONFIG"] = ""
+    if keys is not None:
+        env["KVMESH_SECURITY__SERVER_KEY"] = str(keys / "server.key")
+        env["KVMESH_SECURITY__CLIENT_KEY"] = str(keys / "admin.key_secret")
+    exe = str(Path(sys.executable).with_name("kvmesh"))
+    return subprocess.run(
+        [exe, *args], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+@pytest.fixture(scope="module")
+def curve_mesh(
+    docker_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[list[str], Path]]:
+    keys = tmp_path_factory.mktemp("compose-curve") / "keys"
+    # The steps of curve.yaml's comment, plus an outside client's pair (admin) in allowed/.
+    for name in ("server", "client", "admin"):
+        res = _kvmesh(["keys", "generate", str(keys), "--name", name], None)
+        assert res.returncode == 0, res.stderr
+    (keys / "allowed").mkdir()
+    for name in ("client", "admin"):
+        shutil.copy(keys / f"{name}.key", keys / "allowed")
+    (keys / "http-token").write_text("compose-test-token\n")
+    env = {**docker_env, "KVMESH_KEYS_DIR": str(keys)}
+    compose = [*COMPOSE, "-f", str(ROOT / "docker/compose/curve.yaml")]
+    _run([*compose, "--profile", "pd", "down", "-v", "--remove-orphans"], env, 180)
+    try:
+        _run([*compose, "up", "--wait", "--wait-timeout", "120", *CURVE_SERVICES], env, 180)
+    except AssertionError:
+        print(_run([*compose, "logs", "--tail", "60"], env, 60))
+        raise
+    yield compose, keys
+    logs = subprocess.run(
+        [*compose, "logs", "--tail", "40"], env=env, capture_output=True, text=True
+    )
+    print(logs.stdout[-20000:])
+    _run([*compose, "--profile", "pd", "down", "-v", "--remove-orphans"], env, 180)
+
+
+def test_curve_override_keeps_the_mesh_to_keyed_clients(
+    curve_mesh: tuple[list[str], Path], docker_env: dict[str, str]
+) -> None:
+    compose, keys = curve_mesh
+    env = {**docker_env, "KVMESH_KEYS_DIR": str(keys)}
+    ps = _run([*compose, "ps", "--format", "json"], env, 60)
+    rows = [json.loads(line) for line in ps.splitlines() if line.strip()]
+    assert {r["Service"]: r["Health"] for r in rows} == dict.fromkeys(CURVE_SERVICES, "healthy")
+    endpoints = [
+        "--controller", "tcp://127.0.0.1:7600",
+        "--lookup-url", "tcp://127.0.0.1:7610",
+        "--cacheserver-url", "tcp://127.0.0.1:7620",
+        "--timeout", "5",
+    ]  # fmt: skip
+
+    # The admin's key is in allowed/: every service answers it.
+    keyed = _kvmesh(["status", "--json", *endpoints], keys)
+    assert keyed.returncode == 0, keyed.stdout + keyed.stderr
+    services = json.loads(keyed.stdout)["services"]
+    assert {name: s["up"] for name, s in services.items()} == dict.fromkeys(CURVE_SERVICES, True)
+
+    # No key: each service is down, and status says CURVE refused it, not just "no answer".
+    from kvmesh.common.transport.handshake_probe import NO_CLIENT_KEY
+
+    unkeyed = _kvmesh(["status", "--json", *endpoints], None)
+    assert unkeyed.returncode == 3, unkeyed.stdout + unkeyed.stderr
+    services = json.loads(unkeyed.stdout)["services"]
+    for name in CURVE_SERVICES:
+        assert not services[name]["up"], name
+        assert NO_CLIENT_KEY in services[name]["error"], services[name]
+
+    asyncio.run(_feed_reaches_a_keyed_subscriber(keys))
+
+
+async def _feed_reaches_a_keyed_subscriber(keys: Path) -> None:
+    """A worker's stored chunks (sent as an engine sends them, keyed) reach a keyed
+    subscriber on the published feed port, and the replay port answers it."""
+    from kvmesh.common.config import load_config
+    from kvmesh.common.protocol import controller as proto
+    from kvmesh.common.protocol import kv_events as kv
+    from kvmesh.common.transport.controller_client import ControllerConnection
+    from kvmesh.common.transport.curve import load_curve
+    from kvmesh.common.transport.kv_events_client import Delivery, KvEventsSubscriber
+
+    security = {
+        "KVMESH_SECURITY__SERVER_KEY": str(keys / "server.key"),
+        "KVMESH_SECURITY__CLIENT_KEY": str(keys / "admin.key_secret"),
+    }
+    curve = load_curve(load_config(None, env=security).security, client=True)
+    assert curve is not None
+    sub = KvEventsSubscriber("tcp://127.0.0.1:7602", "tcp://127.0.0.1:7603", curve=curve)
+    async with sub:
+        # The controller publishes nothing until it has read a subscription.
+        def subscribed() -> bool:
+            return (
+                _http("GET", "http://127.0.0.1:7601/health", timeout_s=5)["event_feed"]["topics"]
+                >= 1
+            )
+
+        await asyncio.to_thread(wait_for, subscribed, 30)
+        worker = ControllerConnection("tcp://127.0.0.1:7600", timeout_s=30, curve=curve)
+        await worker.connect()
+        try:
+            reg = await worker.request(
+                proto.Register(worker.next_rid(), "compose-test", 0, 1, [NS], "", 60.0),
+                proto.RegisterReply,
+            )
+            stored = [f"{NS}-{i:032x}" for i in range(3)]
+            worker.send(proto.KVEventBatch(0, reg.worker_id, 1, [(1, k, "l1") for k in stored]))
+            got: list[tuple[str, str]] = []
+            async with asyncio.timeout(30):
+                async for item in sub:
+                    if isinstance(item, Delivery) and isinstance(item.payload, kv.EventBatch):
+                        got += [(e.op, e.key) for e in item.payload.events]
+                    if len(got) >= len(stored):
+                        break
+            assert got == [("stored", k) for k in stored]
+            entries, _epoch, last_seq = await sub.replay(0)
+            assert entries and last_seq >= entries[-1][0]
+        finally:
+            await worker.close()
