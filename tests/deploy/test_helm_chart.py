@@ -191,6 +191,11 @@ def test_config_passes_kvmesh_validation(rendered: dict, value_set: str, tmp_pat
     assert cfg.controller.host == cfg.lookup.host == cfg.cacheserver.host == "0.0.0.0"
     assert cfg.bridge.host == "0.0.0.0"
     assert (cfg.controller.port, cfg.controller.http_port) == (7600 + off, 7601 + off)
+    # The KV-event feed and its replay socket, on by default (as in compose).
+    assert (cfg.controller.events_port, cfg.controller.events_replay_port) == (
+        7602 + off,
+        7603 + off,
+    )
     assert (cfg.lookup.port, cfg.lookup.metrics_port) == (7610 + off, 7611 + off)
     assert (cfg.cacheserver.port, cfg.cacheserver.metrics_port) == (7620 + off, 7622 + off)
     assert (cfg.bridge.port, cfg.bridge.metrics_port) == (7630 + off, 7631 + off)
@@ -291,6 +296,45 @@ def test_services_select_their_pods(rendered: dict, value_set: str) -> None:
         assert matches(
             w["spec"]["selector"]["matchLabels"], w["spec"]["template"]["metadata"]["labels"]
         )
+
+
+def _controller_ports(docs: list) -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
+    """(container port name -> number, Service port name -> (port, target number))."""
+    deploy = one(docs, "Deployment", full_name("controller"))
+    c = container(deploy)
+    svc = one(docs, "Service", full_name("controller"))
+    return (
+        {p["name"]: p["containerPort"] for p in c["ports"]},
+        {p["name"]: (p["port"], port_number(c, p["targetPort"])) for p in svc["spec"]["ports"]},
+    )
+
+
+@pytest.mark.parametrize("value_set", SETS)
+def test_controller_event_feed_ports(rendered: dict, value_set: str, tmp_path: Path) -> None:
+    off = PORT_OFFSET.get(value_set, 0)
+    docs = rendered[value_set]
+    in_pod, in_svc = _controller_ports(docs)
+    want = {"zmq": 7600 + off, "http": 7601 + off, "events": 7602 + off}
+    want["events-replay"] = 7603 + off
+    assert in_pod == want
+    assert in_svc == {name: (n, n) for name, n in want.items()}
+    # Where the pod listens is where kvmesh.yaml makes the controller bind the feed.
+    cfg = _load(tmp_path, docs)
+    assert in_pod["events"] == cfg.controller.events_port
+    assert in_pod["events-replay"] == cfg.controller.events_replay_port
+
+
+def test_controller_event_feed_off(helm: str, tmp_path: Path) -> None:
+    values = {"controller": {"ports": {"events": 0, "eventsReplay": 0}}}
+    docs = parse(render_text(helm, ["-f", str(values_file(tmp_path, values))]))
+    in_pod, in_svc = _controller_ports(docs)
+    assert set(in_pod) == set(in_svc) == {"zmq", "http"}
+    cfg = _load(tmp_path, docs)
+    assert (cfg.controller.events_port, cfg.controller.events_replay_port) == (0, 0)
+    # The feed without replay: one more port.
+    values = {"controller": {"ports": {"eventsReplay": 0}}}
+    docs = parse(render_text(helm, ["-f", str(values_file(tmp_path, values))]))
+    assert set(_controller_ports(docs)[0]) == {"zmq", "http", "events"}
 
 
 @pytest.mark.parametrize("value_set", ["default", "pd"])
@@ -594,6 +638,9 @@ def test_notes_render(helm: str, value_set: str, tmp_path: Path) -> None:
     assert (
         f"port-forward svc/{full_name('controller')} {7601 + PORT_OFFSET.get(value_set, 0)}" in text
     )
+    off = PORT_OFFSET.get(value_set, 0)
+    feed = f"--controller {full_name('controller')} --events-port {7602 + off}"
+    assert f"kvmesh events {feed} --replay-port {7603 + off}" in text
     if value_set == "pd":
         assert f"svc/{full_name('bridge')} 7630" in text
     if value_set == "redis-remote":
@@ -629,6 +676,8 @@ BAD_VALUES = [
     ({"security": {"existingSecert": "x"}}, "existingSecert"),
     ({"security": {"httpTokenSecret": {"name": "t", "key": ""}}}, "security.httpTokenSecret.key"),
     ({"grafanaDashboard": {"enabled": "yes"}}, "grafanaDashboard.enabled"),
+    ({"controller": {"ports": {"events": -1}}}, "controller.ports.events"),
+    ({"controller": {"ports": {"eventsReplay": 70000}}}, "controller.ports.eventsReplay"),
 ]  # fmt: skip
 
 
@@ -665,6 +714,10 @@ TEMPLATE_ERRORS = [
     ({"security": {"httpTokenSecret": {"name": "t"}},
       "config": {"security": {"http_token_file": "/t"}}},
      "config.security.http_token_file is set by the chart; set security.httpTokenSecret"),
+    ({"controller": {"ports": {"events": 0}}},
+     "controller.ports.eventsReplay needs controller.ports.events"),
+    ({"config": {"controller": {"events_port": 7700}}},
+     "config.controller.events_port is set by the chart; set controller.ports.events instead"),
 ]  # fmt: skip
 
 

@@ -108,6 +108,8 @@ The config: block may not set them (they must agree with Services, ports and vol
 controller.host: "the chart (0.0.0.0)"
 controller.port: controller.ports.zmq
 controller.http_port: controller.ports.http
+controller.events_port: controller.ports.events
+controller.events_replay_port: controller.ports.eventsReplay
 controller.snapshot_path: controller.persistence
 lookup.host: "the chart (0.0.0.0)"
 lookup.port: lookup.ports.zmq
@@ -206,7 +208,7 @@ IP, the PD role) come from KVMESH_* variables set on the pods (kvmesh.engineEnv)
 {{- $cfg := deepCopy ($v.config | default dict) -}}
 {{- $engineIn := $cfg.engine | default dict -}}
 {{- $lookupIn := $cfg.lookup | default dict -}}
-{{- $controller := dict "host" "0.0.0.0" "port" (int $v.controller.ports.zmq) "http_port" (int $v.controller.ports.http) -}}
+{{- $controller := dict "host" "0.0.0.0" "port" (int $v.controller.ports.zmq) "http_port" (int $v.controller.ports.http) "events_port" (int ($v.controller.ports.events | default 0)) "events_replay_port" (int ($v.controller.ports.eventsReplay | default 0)) -}}
 {{- if $v.controller.persistence.enabled -}}
 {{- $_ := set $controller "snapshot_path" (printf "%s/controller.snapshot" (include "kvmesh.snapshotDir" .)) -}}
 {{- end -}}
