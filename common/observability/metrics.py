@@ -151,8 +151,9 @@ def serve_metrics(
 
 
 HEALTH_PATHS = ("/health", "/healthz")
-_JSON = [("Content-Type", "application/json")]
-_TEXT = [("Content-Type", "text/plain; charset=utf-8")]
+# Copied into each answer's headers: wsgiref adds Content-Length to the list it is given.
+_JSON = ("Content-Type", "application/json")
+_TEXT = ("Content-Type", "text/plain; charset=utf-8")
 
 
 class _ProbeApp:
@@ -170,7 +171,7 @@ class _ProbeApp:
         method = environ.get("REQUEST_METHOD", "")
         path = environ.get("PATH_INFO", "")
         if method not in ("GET", "HEAD"):
-            start_response("405 Method Not Allowed", [*_TEXT, ("Allow", "GET, HEAD")])
+            start_response("405 Method Not Allowed", [_TEXT, ("Allow", "GET, HEAD")])
             return [b"GET only\n"]
         if path == "/metrics":
             # prometheus_client answers HEAD with 405: ask it for a GET, send no body.
@@ -178,9 +179,9 @@ class _ProbeApp:
             return [] if method == "HEAD" else body
         if path in HEALTH_PATHS:
             status, body = self._health_body()
-            start_response(status, _JSON)
+            start_response(status, [_JSON])
             return [] if method == "HEAD" else [body]
-        start_response("404 Not Found", _TEXT)
+        start_response("404 Not Found", [_TEXT])
         return [b"try /metrics or /health\n"]
 
     def _health_body(self) -> tuple[str, bytes]:
