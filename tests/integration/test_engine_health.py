@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import torch
+import zmq
+from kvtest import p2p
 from kvtest.bridge import BridgeProcess
 from kvtest.controller import ControllerProcess
 from kvtest.http_backend import HttpBackend
@@ -28,8 +31,11 @@ from kvmesh.common.config import (
     EngineConfig,
     EngineControllerConfig,
     L1Config,
+    P2PConfig,
+    PDConfig,
     RemoteConfig,
 )
+from kvmesh.common.protocol import p2p as proto
 from kvmesh.services.worker.engine import KVEngine
 
 CHUNK = 8
@@ -200,6 +206,55 @@ def test_health_is_degraded_without_the_controller_or_a_usable_disk(tmp_path: Pa
     finally:
         eng.close()
     assert port_free(port)
+
+
+def test_health_counts_a_decoders_pd_receive_buffers() -> None:
+    """A prefiller (a raw DEALER here) allocates receive buffers on a decoder: /health
+    shows the decoder's role and one transfer in flight until it is cancelled."""
+    port = free_port()
+    cfg = EngineConfig(
+        chunk_size=p2p.CHUNK,
+        model_name="health-pd",
+        l1=L1Config(max_size=4 << 20, reserve=0, alloc_timeout_s=0.2),
+        p2p=P2PConfig(channel="zmq", timeout_s=2.0),
+        pd=PDConfig(role="receiver", timeout_s=30.0),
+        metrics_port=port,
+        close_flush_s=0,
+    )
+    decoder = KVEngine("decoder", 0, cfg, p2p.kv_cache(None))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger, sock.rcvtimeo = 0, 10_000
+
+    def ask(msg: object) -> object:
+        sock.send_multipart([proto.encode(msg)])
+        return proto.decode_reply(sock.recv_multipart()[:1])
+
+    try:
+        sock.connect(decoder.p2p_endpoint)
+        assert health(port)["pd"] == {"role": "receiver", "sending": 0, "receiving": 0}
+        tokens = p2p.prompt(8, 2 * p2p.CHUNK)
+        alloc = proto.AllocChunks(
+            rid=1,
+            version=proto.PROTOCOL_VERSION,
+            transfer_id="health",
+            keys=[k.to_str() for _, _, k in decoder.chunks(tokens)],
+            chunk_shape=list(decoder.layout.chunk_shape(p2p.CHUNK)),
+            dtype="float16",
+            fmt=int(decoder.chunk_format),
+            last_tokens=p2p.CHUNK,
+            deadline=time.time() + 30.0,
+        )
+        reply = ask(alloc)
+        assert isinstance(reply, proto.AllocChunksReply) and len(reply.slots) == 2
+        assert health(port)["pd"]["receiving"] == 1
+        cancel = proto.CancelChunks(2, proto.PROTOCOL_VERSION, reply.alloc_id)
+        assert ask(cancel) == proto.CancelChunksReply(2, True)
+        assert health(port)["pd"]["receiving"] == 0
+    finally:
+        sock.close(0)
+        ctx.term()
+        decoder.close()
 
 
 def test_every_kind_of_kvmesh_process_answers_health(tmp_path: Path) -> None:
