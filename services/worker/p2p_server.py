@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 COPY_BELOW = 1 << 20  # smaller payloads are copied: a send tracker costs more
+MAX_HEADER_BYTES = 1 << 20
 SEND_WAIT_S = 30.0  # a zero-copy frame ZMQ has not sent by then is leaked, not reused
 Handled = tuple[proto.Reply, list[MemoryObj]]
 
@@ -103,6 +104,10 @@ class P2PServer:
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.linger = 0
+        # No valid frame (a header, a pushed chunk or layer) is larger than all of L1:
+        # a peer's giant one drops its connection instead of being buffered whole in
+        # the engine's process (vLLM's).
+        sock.setsockopt(zmq.MAXMSGSIZE, self.engine.pool.capacity_bytes + MAX_HEADER_BYTES)
         guard = CurveGuard(ctx, self.engine.curve, self.engine.stats.metrics, "worker")
         guard.serve(sock)
         try:

@@ -211,6 +211,31 @@ def test_bad_messages_get_error_replies_and_the_server_keeps_serving(nodes) -> N
     assert got["loaded"] == 32 and got["kv"] == stored["kv"]
 
 
+def test_a_frame_larger_than_l1_costs_only_its_connection(nodes) -> None:
+    """No valid P2P frame is larger than the engine's whole L1 (32 MiB here): a bigger
+    one drops its connection unanswered instead of being buffered in the engine's
+    process, and the server goes on (found while fuzzing, tests/fuzz)."""
+    [a] = nodes({"name": "a", "seed": 5})
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.rcvtimeo = 3000
+        sock.connect(a.endpoint)
+        push = proto.PushChunks(1, proto.PROTOCOL_VERSION, 1, -1, [0])
+        sock.send_multipart([proto.encode(push), b"\x00" * (40 << 20)])
+        with pytest.raises(zmq.Again):
+            sock.recv_multipart()  # no error reply: it was never read
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.rcvtimeo = 10_000
+        sock.connect(a.endpoint)
+        sock.send(proto.encode(proto.Hello(2, proto.PROTOCOL_VERSION)))
+        assert isinstance(proto.decode_reply(sock.recv_multipart()), proto.HelloReply)
+    finally:
+        ctx.destroy(linger=0)  # closes the sockets too, also after a failed assert
+
+
 def test_a_chunk_the_peer_no_longer_holds_is_an_evicted_miss(nodes) -> None:
     a, b = nodes({"name": "a", "seed": 4, "channel": "zmq"}, {"name": "b", "channel": "zmq"})
     stored = a(op="store", seed=4, n=48)
