@@ -35,6 +35,8 @@ from kvmesh.common.config import (
     PDConfig,
     RemoteConfig,
 )
+from kvmesh.common.observability import Metrics
+from kvmesh.common.observability.metrics import serve_metrics
 from kvmesh.common.protocol import p2p as proto
 from kvmesh.services.worker.engine import KVEngine
 
@@ -307,3 +309,21 @@ def test_every_kind_of_kvmesh_process_answers_health(tmp_path: Path) -> None:
         for proc in reversed(procs):
             proc.stop()
         decoder.stop()
+
+
+def test_a_failing_health_report_is_a_500_and_the_port_keeps_serving() -> None:
+    def broken() -> dict[str, Any]:
+        raise KeyError("tier")
+
+    servers = [serve_metrics(Metrics(), 0, health=broken), serve_metrics(Metrics(), 0)]
+    try:
+        bad, plain = (f"http://127.0.0.1:{s.server_address[1]}" for s in servers)
+        status, body, ctype = http(f"{bad}/health")
+        assert status == 500 and ctype == "application/json"
+        assert json.loads(body) == {"status": "error", "error": "KeyError: 'tier'"}
+        assert http(f"{bad}/metrics")[0] == 200
+        assert json.loads(http(f"{plain}/health")[1]) == {"status": "ok"}
+    finally:
+        for s in servers:
+            s.shutdown()
+            s.server_close()
