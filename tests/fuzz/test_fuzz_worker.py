@@ -112,6 +112,6 @@ def test_metrics_port_answers_every_fuzzed_request(engine: EngineProcess) -> Non
         Watched(engine),
         engine.metrics_port,
         FUZZ_SECONDS / 4,
-        healthy=lambda status, _body: status in (200, 404),
+        healthy=lambda status, body: status == 200 and b'"status"' in body,
     )
     assert statuses.get(200), statuses
