@@ -179,7 +179,9 @@ class EngineControllerConfig(_Section):
     enabled: bool = False
     # The controller's ROUTER endpoint, tcp://host:port.
     url: str = "tcp://127.0.0.1:7600"
-    heartbeat_s: PositiveSeconds = 1.0
+    # At most a day: the controller refuses a longer period (such a worker would never
+    # be dropped).
+    heartbeat_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = 1.0
     timeout_s: PositiveSeconds = 1.0
     event_batch: PositiveInt = 1024
     event_flush_s: PositiveSeconds = 0.05

@@ -466,3 +466,9 @@ def test_plugin_config_errors_name_the_key(engine: dict, message: str) -> None:
     with pytest.raises(ConfigError) as err:
         config_from_dict({"engine": engine})
     assert message in str(err.value)
+
+
+def test_a_heartbeat_period_over_a_day_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"engine\.controller\.heartbeat_s"):
+        config_from_dict({"engine": {"controller": {"heartbeat_s": 86401}}})
+    assert config_from_dict({"engine": {"controller": {"heartbeat_s": 86400}}})
