@@ -34,7 +34,8 @@ log = get_logger(__name__)
 
 # Why a handshake failed, as the metric's reason label.
 REFUSALS = {
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no_key",  # mechanism mismatch: NULL vs CURVE
+    # The peer went away mid-handshake: in practice a client without CURVE giving up.
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no_key",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "bad_handshake",  # e.g. the wrong server key
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "unknown_key",  # ZAP said no
 }
@@ -189,6 +190,13 @@ class CurveGuard:
     def count(self, event: dict) -> None:
         """Count one parsed monitor event if it is a refused handshake."""
         reason = REFUSALS.get(event["event"])
+        if (
+            event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            and event.get("value") == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+        ):
+            # A client speaking NULL to a CURVE server: libzmq reports it as a
+            # protocol error (measured: value MECHANISM_MISMATCH), not NO_DETAIL.
+            reason = "no_key"
         if reason is not None:
             self.failures[reason].inc()
             log.warning("connection refused: CURVE", reason=reason)
