@@ -95,12 +95,7 @@ class RouterLoop:
             secure(sock)
         if monitor_events:
             self.monitor = sock.get_monitor_socket(monitor_events)
-        endpoint = f"tcp://{_zmq_host(host)}"
-        if port:
-            sock.bind(f"{endpoint}:{port}")
-            self.port = port
-        else:
-            self.port = sock.bind_to_random_port(endpoint)
+        self.port = bind_tcp(sock, host, port)
         self._sock = sock
         loop = asyncio.get_running_loop()
         loop.add_reader(sock.getsockopt(zmq.FD), self._on_readable)
@@ -186,6 +181,15 @@ class RouterLoop:
             self.send(peer, exc.reply)
             return
         self._dispatch(peer, msg, frames[2:])
+
+
+def bind_tcp(sock: zmq.Socket, host: str, port: int) -> int:
+    """Bind sock on tcp host:port (port 0: any free one); the port bound."""
+    endpoint = f"tcp://{_zmq_host(host)}"
+    if port:
+        sock.bind(f"{endpoint}:{port}")
+        return port
+    return sock.bind_to_random_port(endpoint)
 
 
 def _zmq_host(host: str) -> str:

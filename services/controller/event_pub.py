@@ -22,7 +22,7 @@ import zmq
 
 from kvmesh.common.observability import Metrics, get_logger
 from kvmesh.common.protocol import kv_events as kv
-from kvmesh.common.transport.router_loop import _zmq_host
+from kvmesh.common.transport.router_loop import bind_tcp
 from kvmesh.services.controller.event_ring import EventRing
 from kvmesh.services.controller.registry import WorkerEntry
 
@@ -78,12 +78,7 @@ class EventPublisher:
         sock.setsockopt(zmq.MAXMSGSIZE, 4096)  # subscriptions are short
         sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
         secure(sock)
-        endpoint = f"tcp://{_zmq_host(host)}"
-        if port:
-            sock.bind(f"{endpoint}:{port}")
-            self.port = port
-        else:
-            self.port = sock.bind_to_random_port(endpoint)
+        self.port = bind_tcp(sock, host, port)
         self._sock = sock
         loop = asyncio.get_running_loop()
         loop.add_reader(sock.getsockopt(zmq.FD), self._drain)

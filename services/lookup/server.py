@@ -48,6 +48,7 @@ from kvmesh.common.transport.controller_client import (
     ControllerUnavailable,
 )
 from kvmesh.common.transport.curve import CurveGuard, CurveKeys
+from kvmesh.common.transport.router_loop import bind_tcp
 from kvmesh.services.lookup.follower import IndexFollower
 from kvmesh.services.lookup.workers import WorkerPool
 
@@ -143,12 +144,7 @@ class LookupService:
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.guard = CurveGuard(self._ctx, self.curve, self.metrics, "lookup")
         self.guard.serve(sock)
-        host = self.config.host if self.config.host not in ("", "0.0.0.0") else "*"
-        if self.config.port:
-            sock.bind(f"tcp://{host}:{self.config.port}")
-            self.port = self.config.port
-        else:
-            self.port = sock.bind_to_random_port(f"tcp://{host}")
+        self.port = bind_tcp(sock, self.config.host, self.config.port)
         self._sock = sock
         await self._controller.connect(hello=False)
         if self.follower is not None:
