@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from kvmesh.common.codecs import Codec, make_codec
+from kvmesh.common.codecs import make_codec
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.observability import get_logger
+
+if TYPE_CHECKING:  # the engine imports this module
+    from kvmesh.services.worker.engine import KVEngine
 
 log = get_logger(__name__)
 
@@ -50,13 +54,8 @@ class CompressResult(msgspec.Struct, kw_only=True):
         return {"asked": self.asked, **{k: getattr(self, k) for k in OUTCOMES}}
 
 
-def codec_for(method: str, params: dict | None = None) -> Codec | None:
-    """The codec method names ("none": stored raw); ValueError naming the known ones."""
-    return make_codec(method, params)
-
-
 def rewrite_chunks(
-    engine: object,
+    engine: KVEngine,
     keys: Sequence[ChunkKey] | None,
     method: str,
     tier: str,
@@ -68,8 +67,8 @@ def rewrite_chunks(
     method's codec. Blocking: call it from a thread, never from the engine's loop."""
     if tier not in TIERS:
         raise ValueError(f"tier must be one of {', '.join(TIERS)} (got {tier!r})")
-    codec = codec_for(method, params)
-    storage = engine.storage  # type: ignore[attr-defined]
+    codec = make_codec(method, params)  # ValueError naming the known ones
+    storage = engine.storage
     try:
         target = storage.tier(tier)
     except KeyError:
@@ -84,7 +83,7 @@ def rewrite_chunks(
     result = CompressResult(tier=tier, method=method, asked=len(keys))
     end = None if deadline_s is None else time.monotonic() + deadline_s
     allocator = storage.l1
-    loop = engine.loop  # type: ignore[attr-defined]
+    loop = engine.loop
     for key in keys:
         if end is not None and time.monotonic() > end:
             result.timed_out = True
