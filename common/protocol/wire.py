@@ -45,8 +45,9 @@ class MalformedMessage(ValueError):
 
 
 def tags_of(union: Any) -> frozenset[str]:
-    """The wire tags of the Structs in a union."""
-    return frozenset(t.__struct_config__.tag for t in typing.get_args(union))
+    """The wire tags of the Structs in a union (or of one Struct type)."""
+    members = typing.get_args(union) or (union,)
+    return frozenset(t.__struct_config__.tag for t in members)
 
 
 # Untyped: reads the rid and tag of a message the typed decoder refused.

@@ -31,3 +31,11 @@ def test_the_error_reply_of_deep_nesting_encodes() -> None:
     reply = controller.decode_reply(controller.encode(caught.value.reply))
     assert isinstance(reply, controller.ErrorReply) and reply.rid == 0
     assert msgspec.msgpack.decode(controller.encode(reply))[0] == "error"
+
+
+def test_tags_of_a_single_message_type_is_its_tag() -> None:
+    from kvmesh.common.protocol import controller as cproto
+    from kvmesh.common.protocol.wire import tags_of
+
+    assert tags_of(cproto.Clear) == {"clear"}
+    assert tags_of(cproto.Clear | cproto.Pin) == {"clear", "pin"}
