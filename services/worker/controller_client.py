@@ -99,6 +99,11 @@ class ControllerClient:
         except (TimeoutError, RuntimeError) as exc:
             log.warning("controller client did not close cleanly", error=str(exc))
 
+    @property
+    def events_dropped(self) -> int:
+        """KV events lost before they reached the controller (a resync repairs them)."""
+        return self._sub.dropped
+
     # -- session: register, heartbeat ----------------------------------------------------
     async def _session_loop(self) -> None:
         while True:
@@ -235,7 +240,7 @@ class ControllerClient:
                 detail = {
                     "l1_chunks": len(l1),
                     "l1_used_bytes": engine.pool.used_bytes,
-                    "events_dropped": self._sub.dropped,
+                    "events_dropped": self.events_dropped,
                     "last_seq": self._seq,
                 }
                 count = len(l1)

@@ -534,6 +534,10 @@ class KVEngine:
         self.stats.latency["prefetch"].observe(time.perf_counter() - t0)
         return chunks[len(objs) - 1][1] if objs else 0
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     # -- management -------------------------------------------------------------------
     def compress(
         self,

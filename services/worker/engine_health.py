@@ -105,14 +105,12 @@ def engine_health(engine: KVEngine) -> EngineHealth:
     registered = bool(client is not None and client.registered)
     if ctl_cfg.enabled and not registered:
         problems.append(f"not registered with the controller at {ctl_cfg.url}")
-    # The controller client's own view of the event buffer (private to it: read only).
-    sub = getattr(client, "_sub", None)
     sender, receiver = engine.pd_sender, engine.pd_receiver
     return EngineHealth(
         status="degraded" if problems else "ok",
         instance=engine.instance_id,
         rank=engine.rank,
-        closed=engine._closed,
+        closed=engine.closed,
         l1=L1Health(
             used_bytes=engine.pool.used_bytes,
             capacity_bytes=engine.pool.capacity_bytes,
@@ -131,7 +129,7 @@ def engine_health(engine: KVEngine) -> EngineHealth:
         ),
         events=EventsHealth(
             buffer_dropped=engine.events.dropped,
-            controller_dropped=int(getattr(sub, "dropped", 0)),
+            controller_dropped=client.events_dropped if client is not None else 0,
         ),
         problems=problems,
     )
