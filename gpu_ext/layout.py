@@ -137,6 +137,7 @@ class PagedKVViews:
     wide_layers: tuple[torch.Tensor, ...]
     wide_rows: tuple[torch.Tensor, ...]
     block_offsets: torch.Tensor  # arange(block_size): the slots of a block, from its first
+    layer_ptrs: torch.Tensor  # int64 data_ptr() of each canonical layer (native copies)
 
     def row_index(self, slot_mapping: torch.Tensor) -> torch.Tensor:
         """Row indices ``[kv, tokens * rows_per_token]``, ordered as the chunk stores them.
@@ -214,6 +215,7 @@ def build_views(
         wide_layers=tuple(widest_view(t, layer_width) for t in canon),
         wide_rows=tuple(widest_view(t, row_width) for t in rows),
         block_offsets=torch.arange(layout.block_size, dtype=torch.int64, device=layout.device),
+        layer_ptrs=torch.tensor([t.data_ptr() for t in canon], dtype=torch.int64),
     )
 
 

@@ -1,19 +1,19 @@
-"""Paged KV ⇄ contiguous chunk copies in plain torch: the fallback, and the CPU path.
+"""Paged KV ⇄ contiguous chunk copies on the host: the CPU path, and the fallback.
 
-Tokens move in one of two ways, chosen per call:
+Tokens move in one of three ways, chosen per call:
 
-* whole blocks (gather only): when the slots run through whole blocks in order (slot =
-  block * block_size + offset, offsets 0..block_size-1, as vLLM maps them), the chunk's
-  tokens are viewed as ``[blocks, block_size, kv, heads, head_dim]``, the canonical
-  layer's shape, and each layer is one ``index_select(out=...)`` over the block
-  dimension. The kernel builds its copy iterator once and reruns it per block, in
-  parallel over blocks, and each block moves K and V of every head and token, in runs of
-  head_dim elements or more. Both sides are viewed as the widest integer type their
-  strides allow (int64 for any fp16 head_dim that is a multiple of 4): a quarter of the
-  elements, so that a block of 16 tokens x 8 heads x 128 falls under the kernel's grain
-  (32768 elements) and blocks are spread over threads rather than each block split
-  among them (measured 0.5x of copy_ as fp16, 0.8x as int64). A trailing partial block
-  goes by rows.
+* the C helper (native_copy, gpu_ext/csrc/block_copy.c), when it was built and the
+  cache is in host memory: it checks the slot range, takes the leading slots that run
+  through whole blocks in order (slot = block * block_size + offset, offsets
+  0..block_size-1, as vLLM maps them) and memcpys each block's contiguous runs, in
+  parallel, with the GIL released. Whatever is left (a chunk that ends inside a block,
+  or a mapping that is not whole blocks) goes by rows, below.
+* whole blocks in torch (gather only, without the helper): the chunk's tokens are
+  viewed as ``[blocks, block_size, kv, heads, head_dim]``, the canonical layer's shape,
+  and each layer is one ``index_select(out=...)`` over the block dimension, both sides
+  viewed as the widest integer type their strides allow (int64 for any fp16 head_dim
+  that is a multiple of 4), so that blocks are spread over threads rather than each
+  block split among them (measured 0.5x of copy_ as fp16, 0.8x as int64).
 * rows (see layout.PagedKVViews): runs of elements contiguous in the cache and in the
   chunk. A layer's K (or V) half of the chunk is ``[tokens * rows_per_token, row_len]``
   contiguous, and the row indices come from the slot mapping once per call.
@@ -21,14 +21,13 @@ Tokens move in one of two ways, chosen per call:
   contiguous fast path memcpys each row, in parallel). Scatter is one ``index_put_`` per
   layer (K and V together), straight into the cache's row view; that kernel moves one
   element at a time, so both sides are reinterpreted as the widest type the row length
-  and alignment allow (16 bytes for any fp16 head_dim that is a multiple of 8): bits move
-  unchanged, with 8x fewer elements.
+  and alignment allow (16 bytes for any fp16 head_dim that is a multiple of 8).
 
-Scatter always goes by rows: torch has no CPU kernel that copies whole slices to
-indexed destinations. ``index_copy_``/``index_put_`` at block granularity also move one
-element at a time, over shorter inner loops, and one ``copy_`` per (layer, block) runs
-each block on one thread with a new iterator per call; measured on the Llama-3-8B
-layout (benchmarks/engine.py), each was as slow as the row ``index_put_`` or slower.
+Without the helper, scatter always goes by rows: torch has no CPU kernel that copies
+whole slices to indexed destinations (``index_copy_``/``index_put_`` at block granularity
+move one element at a time; one ``copy_`` per (layer, block) pays a new iterator per
+call), which held a retrieve to ~0.6 of copy_ on the Llama-3-8B layout
+(benchmarks/engine.py); the helper reaches copy_ or more.
 
 The slot mapping is checked (range) before any index is built: the row views alias
 memory outside the blocks a bad slot would name, so indexing alone would not catch it.
@@ -41,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmesh.gpu_ext import native_copy
 from kvmesh.gpu_ext.layout import KVKind, PagedKVViews, widest_view, widest_width
 
 
@@ -101,11 +101,19 @@ def check_call(
         raise ValueError(
             f"each K/V half of the buffer must be contiguous, strides {chunk.stride()}"
         )
-    if check_slots and n:
-        low, high = (int(v) for v in torch.aminmax(slots))
-        if low < 0 or high >= lay.num_slots:
-            raise ValueError(f"slot_mapping holds {low}..{high}, outside [0, {lay.num_slots})")
+    if check_slots:
+        check_slot_range(views, slots)
     return CopyCall(slots, chunk, layers, layer_buffer, start, end)
+
+
+def check_slot_range(views: PagedKVViews, slots: torch.Tensor) -> None:
+    """ValueError unless every slot lies in the cache."""
+    if slots.numel():
+        low, high = (int(v) for v in torch.aminmax(slots))
+        if low < 0 or high >= views.layout.num_slots:
+            raise ValueError(
+                f"slot_mapping holds {low}..{high}, outside [0, {views.layout.num_slots})"
+            )
 
 
 def chunk_rows(views: PagedKVViews, call: CopyCall, start: int | None = None) -> torch.Tensor:
@@ -155,12 +163,13 @@ def gather_to_chunk(
     layer moves, and ``out_chunk`` may also be one layer's buffer
     (``layout.layer_chunk_shape``). Token ``start + i`` receives slot ``slot_mapping[i]``.
     """
-    call = check_call(views, slot_mapping, out_chunk, layer, start, end)
-    slots = call.slots
+    call, slots, first, native = _native_first(
+        views, slot_mapping, out_chunk, layer, start, end, False
+    )
     if not slots.numel():
         return
-    first = call.start
-    blocks = whole_blocks(views, slots)
+    # After the helper, what is left starts with a token that is not a whole block.
+    blocks = None if native else whole_blocks(views, slots)
     if blocks is not None:
         cache, chunk = _block_views(views, call, blocks.numel())
         for i, out in zip(call.layers, chunk.unbind(0), strict=True):
@@ -192,11 +201,11 @@ def scatter_from_chunk(
 
     Slots must be distinct (as vLLM's are); with repeats the surviving write is arbitrary.
     """
-    call = check_call(views, slot_mapping, src_chunk, layer, start, end)
-    if not call.slots.numel():
+    call, slots, first, _ = _native_first(views, slot_mapping, src_chunk, layer, start, end, True)
+    if not slots.numel():
         return
-    index = views.row_index(call.slots)
-    rows = chunk_rows(views, call)
+    index = views.row_index(slots)
+    rows = chunk_rows(views, call, first)
     cache = views.wide_rows
     width = widest_width(rows, cache[0].element_size())
     if width != cache[0].element_size():  # the buffer is less aligned than the cache
@@ -205,6 +214,34 @@ def scatter_from_chunk(
     for j, i in enumerate(call.layers):
         # K and V in one op: twice the elements, so the kernel splits across threads.
         cache[i].index_put_((index,), rows[:, j])
+
+
+def _native_first(
+    views: PagedKVViews,
+    slot_mapping: torch.Tensor,
+    chunk: torch.Tensor,
+    layer: int | None,
+    start: int,
+    end: int | None,
+    to_cache: bool,
+) -> tuple[CopyCall, torch.Tensor, int, bool]:
+    """Validate the call and move its leading whole blocks through the C helper where
+    it is built: (the call, the slots still to move, the chunk token they start at,
+    whether the helper ran)."""
+    call = check_call(
+        views, slot_mapping, chunk, layer, start, end, check_slots=not native_copy.available()
+    )
+    slots = call.slots
+    if not slots.numel() or not native_copy.available():
+        return call, slots, call.start, False
+    slots = slots.contiguous()
+    done = native_copy.copy_slots(
+        views, slots, _chunk_layers(views, call), call.layers, call.start, to_cache=to_cache
+    )
+    if done is None:  # not a layout the helper takes: it checked nothing
+        check_slot_range(views, slots)
+        return call, slots, call.start, False
+    return call, slots[done:], call.start + done, True
 
 
 def _chunk_layers(views: PagedKVViews, call: CopyCall) -> torch.Tensor:

