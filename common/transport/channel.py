@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 # Allocate a local buffer for a chunk the peer described; None when there is no room.
 AllocFn = Callable[[ChunkMeta], MemoryObj | None]
 Landed = tuple[ChunkMeta, MemoryObj]
+# Called off the event loop with each chunk once its bytes have landed, while later
+# chunks of the read may still be in flight: the caller's hashing overlaps the copy.
+LandedFn = Callable[[ChunkMeta, MemoryObj], None]
 # A chunk to write to a PD receiver: (its index in the allocation, the local chunk,
 # the address of its receive buffer at the peer).
 Piece = tuple[int, MemoryObj, int]
@@ -37,6 +40,7 @@ Piece = tuple[int, MemoryObj, int]
 __all__ = [
     "AllocFn",
     "Landed",
+    "LandedFn",
     "PeerError",
     "Piece",
     "TransferChannel",
@@ -49,12 +53,22 @@ class TransferChannel(Protocol):
     name: str
 
     async def read(
-        self, endpoint: str, keys: Sequence[str], alloc: AllocFn, timeout_s: float
+        self,
+        endpoint: str,
+        keys: Sequence[str],
+        alloc: AllocFn,
+        timeout_s: float,
+        on_landed: LandedFn | None = None,
     ) -> list[Landed]:
         """The chunks of keys the peer at endpoint holds, landed in buffers from alloc
         (one reference each for the caller), in the order of keys; keys it lacks are
         left out. Raises PeerError (having freed its buffers) when the peer is dead,
-        slow past timeout_s, or answers garbage. Runs on the owner's event loop."""
+        slow past timeout_s, or answers garbage. Runs on the owner's event loop.
+
+        on_landed, if given, may be called (off the loop) with some or all of the
+        landed chunks before read returns, each once; an exception it raises is
+        logged and ignored. A channel that cannot overlap it with the transfer does
+        not call it."""
         ...
 
     async def call(self, endpoint: str, make: Callable[[int], Request], timeout_s: float) -> Reply:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import p2p as proto
-from kvmesh.common.transport.channel import AllocFn, Landed, Piece, check_hello
+from kvmesh.common.transport.channel import AllocFn, Landed, LandedFn, Piece, check_hello
 from kvmesh.common.transport.channel_zmq import ZmqChannel
 from kvmesh.common.transport.chunk_regions import layer_regions
 from kvmesh.common.transport.peer_conn import PeerConnections, PeerError
@@ -40,6 +40,18 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 UCX_DEFAULTS = {"UCX_TLS": "shm"}
+# A read with on_landed moves in transfers of at least this many bytes, so that the
+# check of one overlaps the copy of the next; a transfer costs ~5 us to set up.
+PIPELINE_BYTES = 2 << 20
+# UCX transports within one host; the reader or writer itself copies, one-sided.
+_LOCAL_TLS = frozenset({"shm", "sm", "posix", "sysv", "cma", "knem", "xpmem", "self"})
+
+
+def local_only(ucx_tls: str) -> bool:
+    """Whether UCX_TLS names only same-host shared-memory transports (no "^" negation,
+    no network): then a transfer completes inside the initiator's own calls."""
+    names = [t.strip() for t in ucx_tls.split(",") if t.strip()]
+    return bool(names) and all(t in _LOCAL_TLS for t in names)
 
 
 def _new_agent(name: str) -> Any:
@@ -47,7 +59,12 @@ def _new_agent(name: str) -> Any:
         os.environ.setdefault(var, value)
     from nixl_cu13._api import nixl_agent, nixl_agent_config
 
-    agent = nixl_agent(name, nixl_agent_config(backends=[]))
+    # NIXL's progress thread polls without pause (nixl_agent sets its delay to 0): a
+    # core per process, even idle. Over shared memory the initiator copies within
+    # transfer() and the target takes no part, so nothing needs it; over a network
+    # transport the target must progress, so it stays.
+    prog = not local_only(os.environ.get("UCX_TLS", ""))
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=prog, backends=[]))
     # With UCX_TLS=shm the default error mode fails agent creation (NIXL_ERR_BACKEND).
     agent.create_backend("UCX", {"ucx_error_handling_mode": "none"})
     return agent
@@ -70,6 +87,8 @@ class NixlChannel:
         # Peer endpoint → its agent's name ("" = it speaks ZMQ only).
         self._agents: dict[str, str] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "kvmesh-nixl")
+        # Runs the reader's on_landed while the next group of a read is copied.
+        self._checker = concurrent.futures.ThreadPoolExecutor(1, "kvmesh-nixl-check")
         self._metadata: bytes = self.agent.get_agent_metadata()
 
     def hello_fields(self) -> tuple[str, bytes]:
@@ -93,10 +112,15 @@ class NixlChannel:
         return name
 
     async def read(
-        self, endpoint: str, keys: Sequence[str], alloc: AllocFn, timeout_s: float
+        self,
+        endpoint: str,
+        keys: Sequence[str],
+        alloc: AllocFn,
+        timeout_s: float,
+        on_landed: LandedFn | None = None,
     ) -> list[Landed]:
         try:
-            return await self._read(endpoint, keys, alloc, timeout_s)
+            return await self._read(endpoint, keys, alloc, timeout_s, on_landed)
         except PeerError:
             # The peer may have restarted behind the same endpoint: hello again next time.
             self._conns.drop(endpoint)
@@ -137,7 +161,12 @@ class NixlChannel:
         )
 
     async def _read(
-        self, endpoint: str, keys: Sequence[str], alloc: AllocFn, timeout_s: float
+        self,
+        endpoint: str,
+        keys: Sequence[str],
+        alloc: AllocFn,
+        timeout_s: float,
+        on_landed: LandedFn | None,
     ) -> list[Landed]:
         deadline = time.monotonic() + timeout_s
         peer = await self._peer_agent(endpoint, timeout_s)
@@ -160,10 +189,14 @@ class NixlChannel:
                 landed.append((meta, obj))
                 if obj.nbytes != meta.nbytes:
                     raise PeerError(f"buffer of {obj.nbytes} bytes for {meta.nbytes}")
-            if landed:
+            loop = asyncio.get_running_loop()
+            if landed and on_landed is not None:
+                await loop.run_in_executor(
+                    self._pool, self._read_overlapped, peer, landed, on_landed, deadline
+                )
+            elif landed:
                 local = [(obj.data_ptr, meta.nbytes, 0) for meta, obj in landed]
                 remote = [(meta.addr, meta.nbytes, 0) for meta, _ in landed]
-                loop = asyncio.get_running_loop()
                 await loop.run_in_executor(
                     self._pool, self._transfer, peer, local, remote, deadline
                 )
@@ -188,6 +221,57 @@ class NixlChannel:
     ) -> None:
         """One READ (or WRITE) of every region, polled to completion or the deadline
         (off-loop)."""
+        handle, state = self._start(peer, local, remote, op)
+        state = self._poll(handle, state, deadline)
+        self._release(handle, peer, op)
+        if state != "DONE":
+            raise PeerError(f"NIXL {op} with {peer} {_failure(state)}")
+
+    def _read_overlapped(
+        self, peer: str, landed: list[Landed], on_landed: LandedFn, deadline: float
+    ) -> None:
+        """READ landed in groups of about PIPELINE_BYTES; each group goes to on_landed
+        on the check thread as soon as it is DONE (off-loop). Over shared memory a
+        transfer copies within transfer(), so this thread copies group i+1 while the
+        check thread hashes group i, on the other core; over a network every group is
+        in flight at once and each is handed over as it completes."""
+        started: list[tuple[Any, list[Landed]]] = []
+        pending: list[tuple[Any, str, list[Landed]]] = []
+        checks: list[concurrent.futures.Future[None]] = []
+        try:
+            for group in _groups(landed, PIPELINE_BYTES):
+                local = [(obj.data_ptr, meta.nbytes, 0) for meta, obj in group]
+                remote = [(meta.addr, meta.nbytes, 0) for meta, _ in group]
+                handle, state = self._start(peer, local, remote, "READ")
+                started.append((handle, group))
+                if state == "DONE":
+                    checks.append(self._checker.submit(_each, on_landed, group))
+                else:
+                    pending.append((handle, state, group))
+            for handle, state, group in pending:
+                state = self._poll(handle, state, deadline)
+                if state != "DONE":
+                    raise PeerError(f"NIXL READ with {peer} {_failure(state)}")
+                checks.append(self._checker.submit(_each, on_landed, group))
+        finally:
+            # The checks read the buffers, which the caller frees after an error.
+            concurrent.futures.wait(checks)
+            stuck: Exception | None = None
+            for handle, _ in started:
+                try:
+                    self._release(handle, peer, "READ")
+                except _StuckTransfer as exc:
+                    stuck = exc
+            if stuck is not None:
+                raise stuck
+
+    def _start(
+        self,
+        peer: str,
+        local: list[tuple[int, int, int]],
+        remote: list[tuple[int, int, int]],
+        op: str,
+    ) -> tuple[Any, str]:
         agent = self.agent
         try:
             handle = agent.initialize_xfer(
@@ -197,9 +281,16 @@ class NixlChannel:
                 peer,
                 b"",
             )
-            state = agent.transfer(handle)
         except Exception as exc:  # NIXL raises its own types (nixlBackendError, ...)
             raise PeerError(f"NIXL {op} with {peer} did not start: {exc!r}") from None
+        try:
+            return handle, agent.transfer(handle)
+        except Exception as exc:
+            self._release(handle, peer, op)
+            raise PeerError(f"NIXL {op} with {peer} did not start: {exc!r}") from None
+
+    def _poll(self, handle: Any, state: str, deadline: float) -> str:
+        """The transfer's state once DONE, ERR or past the deadline."""
         spins = 0
         while state not in ("DONE", "ERR"):
             if time.monotonic() > deadline:
@@ -208,23 +299,24 @@ class NixlChannel:
             # Small reads end within microseconds; past that, give the CPU back.
             if spins > 200:
                 time.sleep(20e-6)
-            state = agent.check_xfer_state(handle)
+            state = self.agent.check_xfer_state(handle)
+        return state
+
+    def _release(self, handle: Any, peer: str, op: str) -> None:
         try:
-            agent.release_xfer_handle(handle)
+            self.agent.release_xfer_handle(handle)
         except Exception as exc:
             # Still running: the landing buffers may yet be written, so they are
             # never handed back to the pool (a leak, not wrong KV).
             log.error("NIXL transfer could not be released", peer=peer, error=repr(exc))
             raise _StuckTransfer(f"NIXL {op} with {peer} stuck: {exc!r}") from None
-        if state != "DONE":
-            what = "failed" if state == "ERR" else "timed out"
-            raise PeerError(f"NIXL {op} with {peer} {what}")
 
     async def aclose(self) -> None:
         self._conns.close()
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._pool, self._deregister)
         self._pool.shutdown(wait=False)
+        self._checker.shutdown(wait=False)
         # Only the agent's destruction stops its UCX progress thread, which otherwise
         # keeps a core busy for the rest of the process.
         self.agent = None
@@ -236,6 +328,34 @@ class NixlChannel:
             except Exception as exc:
                 log.warning("NIXL deregister failed", error=repr(exc))
         self._regs = []
+
+
+def _failure(state: str) -> str:
+    return "failed" if state == "ERR" else "timed out"
+
+
+def _groups(landed: list[Landed], min_bytes: int) -> list[list[Landed]]:
+    """landed in order, cut into runs of at least min_bytes (the last may be less)."""
+    groups: list[list[Landed]] = []
+    group: list[Landed] = []
+    size = 0
+    for item in landed:
+        group.append(item)
+        size += item[0].nbytes
+        if size >= min_bytes:
+            groups.append(group)
+            group, size = [], 0
+    if group:
+        groups.append(group)
+    return groups
+
+
+def _each(on_landed: LandedFn, group: list[Landed]) -> None:
+    for meta, obj in group:
+        try:
+            on_landed(meta, obj)
+        except Exception as exc:  # the caller's bug must not hide the transfer's result
+            log.warning("on_landed failed", key=meta.key, error=repr(exc))
 
 
 class _StuckTransfer(PeerError):

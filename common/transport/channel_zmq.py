@@ -13,7 +13,7 @@ import numpy as np
 
 from kvmesh.common.memory import MemoryObj
 from kvmesh.common.protocol import p2p as proto
-from kvmesh.common.transport.channel import AllocFn, Landed, Piece
+from kvmesh.common.transport.channel import AllocFn, Landed, LandedFn, Piece
 from kvmesh.common.transport.chunk_regions import layer_regions
 from kvmesh.common.transport.peer_conn import PeerConnections, PeerError
 
@@ -28,8 +28,14 @@ class ZmqChannel:
         return "", b""
 
     async def read(
-        self, endpoint: str, keys: Sequence[str], alloc: AllocFn, timeout_s: float
+        self,
+        endpoint: str,
+        keys: Sequence[str],
+        alloc: AllocFn,
+        timeout_s: float,
+        on_landed: LandedFn | None = None,
     ) -> list[Landed]:
+        # on_landed is not called: the copies run on the loop, nothing to overlap with.
         conn = self._conns.get(endpoint)
         msg = proto.ReadChunks(
             conn.next_rid(), proto.PROTOCOL_VERSION, list(keys), time.time() + timeout_s

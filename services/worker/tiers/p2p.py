@@ -10,8 +10,9 @@ controller, which learns of them from our KV events.
   peer: a chunk it evicts meanwhile is a miss at retrieve time.
 - **Gets** (`aget`, on the engine's loop): the StorageManager asks for each key of a
   prefix at once; gets for one peer that arrive in the same loop turn are read in one
-  batch (one request, one NIXL transfer). Each chunk is checked after landing: its
-  key, its dtype and size, and the xxh3 of its bytes. Whatever fails (dead peer,
+  batch (one request, one NIXL read). Each chunk is checked after landing: its
+  key, its dtype and size, and the xxh3 of its bytes (over NIXL, hashed as each
+  chunk lands while the next ones are still moving). Whatever fails (dead peer,
   deadline, bad reply, bad checksum, no memory) is a miss and is counted.
 """
 
@@ -23,7 +24,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from kvmesh.common.chunk_codec import chunk_bytes, dtype_from_name, payload_checksum
+from kvmesh.common.chunk_codec import (
+    chunk_bytes,
+    chunk_checksums,
+    dtype_from_name,
+    payload_checksum,
+)
 from kvmesh.common.config import P2PConfig
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import MemoryFormat, MemoryObj
@@ -191,10 +197,20 @@ class P2PTier:
         reference each for the caller (not inserted anywhere). Raises PeerError. Gets
         and admin copies (services/worker/peer_copy.py) both land chunks through here,
         so no chunk reaches L1 unchecked."""
+        digests: dict[int, int] = {}  # id(landed buffer) -> xxh3 of its bytes
+
+        def on_landed(meta: ChunkMeta, obj: MemoryObj) -> None:
+            # Off the loop, while the channel still moves the next chunks.
+            digests[id(obj)] = payload_checksum(chunk_bytes(obj))
+
         landed = await self.channel.read(
-            endpoint, [k.to_str() for k in keys], self._alloc_fn(allocator, reasons), timeout_s
+            endpoint,
+            [k.to_str() for k in keys],
+            self._alloc_fn(allocator, reasons),
+            timeout_s,
+            on_landed,
         )
-        return await self._verify(landed, set(keys), reasons)
+        return await self._verify(landed, set(keys), reasons, digests)
 
     def _alloc_fn(
         self, allocator: Allocator, reasons: Reasons | None = None
@@ -215,17 +231,22 @@ class P2PTier:
         return alloc
 
     async def _verify(
-        self, landed: list[Landed], asked: set[ChunkKey], reasons: Reasons | None = None
+        self,
+        landed: list[Landed],
+        asked: set[ChunkKey],
+        reasons: Reasons | None = None,
+        digests: dict[int, int] | None = None,
     ) -> dict[ChunkKey, MemoryObj]:
         """The landed chunks whose key was asked and whose bytes match their checksum;
-        the rest are dropped (counted as corrupt)."""
-
-        def check(meta: ChunkMeta, obj: MemoryObj) -> bool:
-            return obj.nbytes == meta.nbytes and payload_checksum(chunk_bytes(obj)) == meta.checksum
-
-        # The checksum of a big chunk takes milliseconds without the GIL: off the loop,
-        # one thread per chunk so several cores share the work.
-        verdicts = await asyncio.gather(*(asyncio.to_thread(check, m, o) for m, o in landed))
+        the rest are dropped (counted as corrupt). digests: the xxh3 of landed buffers
+        already hashed (by id); the others are hashed here, off the loop."""
+        digests = digests if digests is not None else {}
+        todo = [obj for _, obj in landed if id(obj) not in digests]
+        for obj, digest in zip(todo, await chunk_checksums(todo), strict=True):
+            digests[id(obj)] = digest
+        verdicts = [
+            obj.nbytes == meta.nbytes and digests[id(obj)] == meta.checksum for meta, obj in landed
+        ]
         good: dict[ChunkKey, MemoryObj] = {}
         for (meta, obj), ok in zip(landed, verdicts, strict=True):
             try:
