@@ -95,6 +95,10 @@ class HostMemoryPool:
         self._used_bytes = 0
         self._closed = False
         self._layouts: dict[tuple[torch.Size, torch.dtype], tuple[torch.Size, int]] = {}
+        # The buffer seen as each dtype asked for, so that a page's typed tensor is one
+        # as_strided call (~1 µs) instead of slice + view + view (~4 µs).
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self._strides: dict[torch.Size, tuple[int, ...]] = {}
         # Callers reuse one shape object per chunk layout: an identity check on the
         # last one skips hashing the shape. One tuple, so threads read it whole.
         self._last_layout: tuple[object, object, torch.Size, int] = (None, None, torch.Size(), 0)
@@ -277,6 +281,7 @@ class HostMemoryPool:
             self._used_bytes = 0
             self._buffer = None
             self._backing = None
+            self._typed = {}
             if self._waiters:
                 self._cond.notify_all()
         return leaked
@@ -313,6 +318,31 @@ class HostMemoryPool:
         start = page * self.page_size
         return buf[start : start + nbytes]
 
+    def _page_tensor(self, page: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """Page `page` as a contiguous `dtype` tensor of `shape`: a view of the buffer."""
+        typed = self._typed.get(dtype)
+        if typed is None:
+            buf = self._buffer
+            if buf is None:
+                raise PoolClosedError("HostMemoryPool is closed")
+            if self.page_size % dtype.itemsize:
+                # Pages that are not whole elements (an alignment below the itemsize):
+                # the byte slice's own view checks what it can.
+                raw = self._page_bytes(page, shape.numel() * dtype.itemsize)
+                return raw.view(dtype).view(shape)
+            typed = buf.view(dtype)
+            self._typed[dtype] = typed
+        strides = self._strides.get(shape)
+        if strides is None:
+            strides = _contiguous_strides(shape)
+            if len(self._strides) >= _MAX_LAYOUTS:
+                self._strides.clear()
+            self._strides[shape] = strides
+        # as_strided counts its offset from the start of the storage, not of the view:
+        # the buffer begins `skip` bytes into its backing allocation.
+        offset = typed.storage_offset() + page * self.page_size // dtype.itemsize
+        return typed.as_strided(shape, strides, offset)
+
     def _lookup_layout(self, shape: ShapeLike, dtype: torch.dtype) -> tuple[torch.Size, int]:
         try:
             size, nbytes = self._layouts[(shape, dtype)]  # type: ignore[index]
@@ -338,3 +368,13 @@ class HostMemoryPool:
             self._layouts.clear()
         self._layouts[(size, dtype)] = (size, nbytes)
         return size, nbytes
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    """Row-major strides, as torch gives a contiguous tensor (a 0 or 1 dim steps by 1)."""
+    strides = []
+    step = 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))

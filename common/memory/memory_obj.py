@@ -90,7 +90,10 @@ class MemoryObj:
         """
         t = self._tensor
         if t is None:
-            t = self.raw.view(self.dtype).view(self.shape)
+            pool = self._pool
+            if pool is None:
+                raise self._freed("tensor")
+            t = pool._page_tensor(self.page, self.shape, self.dtype)
             self._tensor = t
             if self._pool is None:  # freed meanwhile by another thread: cache nothing
                 self._tensor = None

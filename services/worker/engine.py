@@ -89,6 +89,7 @@ class KVEngine:
 
         self.copier = make_copier(kv_caches)
         self.layout = self.copier.layout
+        self._chunk_shapes: dict[int, torch.Size] = {}
         self.is_mla = self.layout.is_mla
         self.chunk_format = MemoryFormat.KV_MLA if self.is_mla else MemoryFormat.KV_2LTD
         self.namespace = KeyNamespace(
@@ -312,6 +313,7 @@ class KVEngine:
             )
         self.copier = copier
         self.layout = copier.layout
+        self._chunk_shapes = {}
 
     def chunks(
         self, tokens: Tokens, mask: torch.Tensor | None = None, tenant: str = ""
@@ -319,9 +321,18 @@ class KVEngine:
         """(start, end, key) per chunk; a tenant keys them in its own namespace."""
         return list(self.tenants.get(tenant).process_tokens(tokens, mask))
 
+    def _chunk_shape(self, num_tokens: int) -> torch.Size:
+        """layout.chunk_shape, one Size object per token count: the pool knows a shape
+        it saw last by identity, and comparing Sizes is cheaper than building tuples."""
+        shape = self._chunk_shapes.get(num_tokens)
+        if shape is None:
+            shape = torch.Size(self.layout.chunk_shape(num_tokens))
+            self._chunk_shapes[num_tokens] = shape
+        return shape
+
     def _new_chunk_obj(self, num_tokens: int) -> MemoryObj:
         return self.storage.l1.allocate(
-            self.layout.chunk_shape(num_tokens), self.layout.dtype, self.chunk_format
+            self._chunk_shape(num_tokens), self.layout.dtype, self.chunk_format
         )
 
     def _stores_here(self) -> bool:
@@ -348,9 +359,80 @@ class KVEngine:
         if not self._stores_here():
             self.stats.stores_skipped.inc()
             return 0
+        chunks = self.chunks(tokens, mask, tenant)
+        held = self.storage.l1.held([key for _, _, key in chunks])
+        todo = [chunk for chunk, h in zip(chunks, held, strict=True) if not h]
+        objs = self._allocate_free(todo)
+        if objs is None:
+            # L1 must evict (or wait) for room: one chunk at a time, each inserted
+            # before the next is allocated so that it, too, can be evicted.
+            stored = self._store_each(chunks, slot_mapping)
+        else:
+            stored = self._store_run(chunks, held, objs, slot_mapping)
+        self._account_store(stored, t0)
+        return stored
+
+    def _allocate_free(self, todo: list[Chunk]) -> list[MemoryObj] | None:
+        """An object per chunk of todo from free pages, or None when too few are free."""
+        if not todo:
+            return []
+        l1, dtype, fmt = self.storage.l1, self.layout.dtype, self.chunk_format
+        first, last = todo[0][1] - todo[0][0], todo[-1][1] - todo[-1][0]
+        # Every chunk is full but perhaps the last.
+        n_full = len(todo) if first == last else len(todo) - 1
+        objs = l1.allocate_free(n_full, self._chunk_shape(first), dtype, fmt)
+        if objs is None or n_full == len(todo):
+            return objs
+        tail = l1.allocate_free(1, self._chunk_shape(last), dtype, fmt)
+        if tail is None:
+            self.pool.release_batch(objs)
+            return None
+        return objs + tail
+
+    def _store_run(
+        self,
+        chunks: list[Chunk],
+        held: list[bool],
+        objs: list[MemoryObj],
+        slot_mapping: torch.Tensor,
+    ) -> int:
+        """Copy into objs (one per chunk not held) and put them, with the touches of the
+        held chunks, in one pass over L1. A copy that raises still stores the chunks
+        before it, as one call per chunk would; the rest of objs go back to the pool."""
+        gather = self.copier.gather
+        run: list[MemoryObj | None] = []
+        copied = 0
+        try:
+            for (start, end, key), h in zip(chunks, held, strict=True):
+                if h:
+                    run.append(None)
+                    continue
+                obj = objs[copied]
+                gather(slot_mapping[start:end], obj.tensor)
+                obj.key = key
+                run.append(obj)
+                copied += 1
+        finally:
+            if copied < len(objs):
+                self.pool.release_batch(objs[copied:])
+            added = self.storage.put_run([key for _, _, key in chunks[: len(run)]], run)
+            stored = 0
+            n_added = 0
+            i = 0
+            for (start, end, _), obj in zip(chunks, run, strict=False):
+                if obj is not None:
+                    if added[i]:
+                        stored += end - start
+                        n_added += 1
+                    i += 1
+            if n_added:
+                self.stats.chunks_stored.inc(n_added)
+        return stored
+
+    def _store_each(self, chunks: list[Chunk], slot_mapping: torch.Tensor) -> int:
         stored = 0
         l1 = self.storage.l1
-        for start, end, key in self.chunks(tokens, mask, tenant):
+        for start, end, key in chunks:
             if l1.contains(key):
                 l1.touch(key)
                 continue
@@ -360,12 +442,15 @@ class KVEngine:
                 self.stats.alloc_failures.inc()
                 log.warning("store stopped: no memory", error=str(exc))
                 break
-            self.copier.gather(slot_mapping[start:end], obj.tensor)
+            try:
+                self.copier.gather(slot_mapping[start:end], obj.tensor)
+            except BaseException:
+                obj.ref_down()  # never inserted: its page would leak
+                raise
             obj.key = key
             if self.storage.put(key, obj):
                 stored += end - start
                 self.stats.chunks_stored.inc()
-        self._account_store(stored, t0)
         return stored
 
     def _account_store(self, stored: int, t0: float) -> None:
@@ -456,21 +541,37 @@ class KVEngine:
         slot_mapping: torch.Tensor,
         loaded: torch.Tensor,
     ) -> None:
+        scatter = self.copier.scatter
+        dtype = self.layout.dtype
+        hits: dict[str, list[int]] = {}  # source → [chunks, tokens], counted once
+        done = 0
         try:
             for (start, end, _), obj, source in zip(chunks, objs, sources, strict=False):
-                if not self._fits(obj, end - start):
+                n = end - start
+                if obj.shape != self._chunk_shape(n) or obj.dtype != dtype:
+                    self._fits(obj, n)  # logs why
                     self.stats.load_errors.inc()
                     break
-                self.copier.scatter(slot_mapping[start:end], obj.tensor)
-                loaded[start:end] = True
-                self.stats.record_hit(source, end - start)
+                scatter(slot_mapping[start:end], obj.tensor)
+                done = end
+                hit = hits.get(source)
+                if hit is None:
+                    hits[source] = [1, n]
+                else:
+                    hit[0] += 1
+                    hit[1] += n
         finally:
+            if done:
+                # Chunks run back to back from the first: one fill for all of them.
+                loaded[chunks[0][0] : done] = True
+            for source, (count, n) in hits.items():
+                self.stats.record_hits(source, count, n)
             for obj in objs:
                 obj.ref_down()
 
     def _fits(self, obj: MemoryObj, num_tokens: int) -> bool:
-        expected = self.layout.chunk_shape(num_tokens)
-        if tuple(obj.shape) != tuple(expected) or obj.dtype != self.layout.dtype:
+        expected = self._chunk_shape(num_tokens)
+        if obj.shape != expected or obj.dtype != self.layout.dtype:
             log.error(
                 "chunk of unexpected shape dropped",
                 shape=tuple(obj.shape),

@@ -73,6 +73,23 @@ class KVEventBuffer:
             for sub in self._subs:
                 sub._append(event)
 
+    def record_many(self, kind: KVEventKind, keys: list[str], tier: str) -> None:
+        """`record` of each key in order, under one lock and with one timestamp."""
+        if not keys:
+            return
+        ts = time.time()
+        events = self._events
+        subs = self._subs
+        with self._lock:
+            for key in keys:
+                if len(events) == events.maxlen:
+                    self.dropped += 1
+                self._seq += 1
+                event = KVEvent(kind, key, tier, self._seq, ts)
+                events.append(event)
+                for sub in subs:
+                    sub._append(event)
+
     def subscribe(self, name: str, capacity: int | None = None) -> EventSubscription:
         """A new consumer that sees every event recorded from now on."""
         with self._lock:

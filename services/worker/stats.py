@@ -56,6 +56,11 @@ class EngineStats:
         self.tokens_hit[tier].inc(tokens)
         self.chunks_hit[tier].inc()
 
+    def record_hits(self, tier: str, chunks: int, tokens: int) -> None:
+        """`record_hit` of `chunks` chunks holding `tokens` tokens in all, from tier."""
+        self.tokens_hit[tier].inc(tokens)
+        self.chunks_hit[tier].inc(chunks)
+
     def record_lookup(self, requested: int, hits_by_tier: dict[str, int]) -> None:
         self._lookup_tokens += requested
         for tier, n in hits_by_tier.items():

@@ -69,6 +69,29 @@ class StorageManager:
         self._events.record(KVEventKind.STORED, key.to_str(), self.l1.name)
         return True
 
+    def put_run(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj | None]) -> list[bool]:
+        """`put` of each (key, obj) whose obj is not None, and a touch of the L1 copy of
+        each key whose obj is None (the caller found it held), in order: L1's map, its
+        policy and the KV events see one lock and one event batch instead of one per
+        chunk. Returns, for each obj, whether L1 took it (False: it already had the key).
+        """
+        for tier in self.lower:
+            for key, obj in zip(keys, objs, strict=True):
+                if obj is None:
+                    continue
+                try:
+                    tier.submit_put(key, obj)
+                except Exception as exc:  # a failing tier is skipped, never fatal
+                    log.warning("tier put failed", tier=tier.name, error=repr(exc))
+        added = self.l1.insert_run(keys, objs)
+        stored = [k for k, o in zip(keys, objs, strict=True) if o is not None]
+        self._events.record_many(
+            KVEventKind.STORED,
+            [k.to_str() for k, new in zip(stored, added, strict=True) if new],
+            self.l1.name,
+        )
+        return added
+
     # -- lookup ---------------------------------------------------------------------
     def prefix_hits(
         self, keys: Sequence[ChunkKey], pin: bool = False

@@ -80,6 +80,15 @@ class HostTier:
             if obj is not None:
                 return obj
 
+    def allocate_free(
+        self, n: int, shape: torch.Size | Sequence[int], dtype: torch.dtype, fmt: MemoryFormat
+    ) -> list[MemoryObj] | None:
+        """n fresh objects from free pages under one lock, or None (nothing taken) when
+        fewer are free. It never evicts or waits: a caller that gets None allocates one
+        object at a time with `allocate`, inserting each before the next, since holding
+        pages outside the map would keep eviction from freeing them."""
+        return self.pool.allocate_batch(n, shape, dtype, fmt)
+
     def _evict(self, n: int) -> int:
         with self._lock:
             victims = self._policy.victims(n, lambda k: self._objs[k].can_evict)
@@ -111,6 +120,44 @@ class HostTier:
         else:
             self.misses.evicted.discard(key)
         return not dup
+
+    def insert_run(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj | None]) -> list[bool]:
+        """`insert` of each (key, obj) in order under one lock, where an obj of None
+        means the caller found the key already held: it is touched instead, as `touch`
+        would, so the policy sees the accesses in the same order as one call per key.
+        Returns, for each obj, whether it went in (a False one's reference is dropped).
+        """
+        policy = self._policy
+        held = self._objs
+        dups: list[MemoryObj] = []
+        added: list[bool] = []
+        new_keys: list[ChunkKey] = []
+        with self._lock:
+            for key, obj in zip(keys, objs, strict=True):
+                if obj is None:
+                    if key in held:
+                        policy.on_access(key)
+                elif key in held:
+                    policy.on_access(key)
+                    dups.append(obj)
+                    added.append(False)
+                else:
+                    held[key] = obj
+                    policy.on_insert(key)
+                    added.append(True)
+                    new_keys.append(key)
+        for obj in dups:
+            obj.ref_down()
+        evicted = self.misses.evicted
+        for key in new_keys:
+            evicted.discard(key)
+        return added
+
+    def held(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Whether each key is here, under one lock; touches nothing."""
+        with self._lock:
+            objs = self._objs
+            return [key in objs for key in keys]
 
     def submit_put(self, key: ChunkKey, obj: MemoryObj) -> None:
         # L1 shares the engine's objects rather than copying them.

@@ -74,6 +74,30 @@ def test_tensor_view_has_the_shape_dtype_and_bytes(pool: HostMemoryPool, fmt: Me
     assert pool.used_bytes == 0 and pool.free_pages == pool.num_pages
 
 
+def test_tensor_and_raw_are_the_same_bytes_whatever_the_buffer_offset() -> None:
+    # Small pools come from malloc, rarely 4 KiB-aligned: the aligned buffer then starts
+    # inside its backing allocation, and each page's typed tensor must start there too.
+    offsets = set()
+    for pages in range(1, 9):
+        with HostMemoryPool(pages * 4096, 4096) as p:
+            assert p._buffer is not None and p._backing is not None
+            offsets.add(p._buffer.data_ptr() - p._backing.data_ptr())
+            for dtype, shape in (
+                (torch.float16, (2, 3, 5)),
+                (torch.int64, (7,)),
+                (torch.uint8, (9,)),
+            ):
+                objs = p.allocate_batch(pages, shape, dtype, MemoryFormat.UNDEFINED)
+                assert objs is not None
+                for i, o in enumerate(objs):
+                    assert o.tensor.data_ptr() == o.raw.data_ptr() == o.data_ptr
+                    o.raw.fill_(i + 1)
+                for i, o in enumerate(objs):
+                    assert bool((o.tensor.view(torch.uint8) == i + 1).all())
+                p.release_batch(objs)
+    assert offsets != {0}, "no pool started inside its backing allocation: nothing was tested"
+
+
 def test_list_shapes_and_repeat_layouts_work(pool: HostMemoryPool) -> None:
     a = pool.allocate([4, 8], torch.float16, MemoryFormat.UNDEFINED)
     b = pool.allocate((4, 8), torch.float16, MemoryFormat.UNDEFINED)
