@@ -4,9 +4,11 @@ optional native helpers.
 pyproject.toml's package-dir maps the folders; this file only enumerates their
 sub-packages, which a static `packages.find` cannot prefix.
 
-`kvmesh.gpu_ext._block_copy` (gpu_ext/csrc/block_copy.c) is optional: without a C
-compiler the build goes on without it and the CPU copier uses torch alone
-(gpu_ext/native_copy.py reports which).
+The C helpers are optional: without a C compiler (or libxxhash) the build goes on
+without them and the Python paths serve. `kvmesh.gpu_ext._block_copy`
+(gpu_ext/csrc/block_copy.c) moves whole KV blocks for the CPU copier;
+`kvmesh.common._chain_hash` (common/csrc/chain_hash.c) computes the token database's
+chained hashes.
 """
 
 from setuptools import Extension, find_packages, setup
@@ -23,7 +25,16 @@ native = [
         extra_compile_args=["-O3", "-pthread"],
         extra_link_args=["-pthread"],
         optional=True,
-    )
+    ),
+    # libxxhash0 is on every Debian/Ubuntu system (apt depends on it); linked by its
+    # soname, so the -dev package is not needed.
+    Extension(
+        "kvmesh.common._chain_hash",
+        ["common/csrc/chain_hash.c"],
+        extra_compile_args=["-O3"],
+        libraries=[":libxxhash.so.0"],
+        optional=True,
+    ),
 ]
 
 setup(packages=packages, ext_modules=native)

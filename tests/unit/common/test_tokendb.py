@@ -15,6 +15,7 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvmesh.common import tokendb
 from kvmesh.common.keys import ChunkKey, KeyNamespace
 from kvmesh.common.tokendb import (
     MAX_TOKEN,
@@ -411,3 +412,67 @@ def test_keys_are_equal_across_processes_and_hash_seeds() -> None:
     local: dict[str, object] = {}
     exec(_CHILD.replace("print(json.dumps(out))", ""), local)
     assert local["out"] == results[0]
+
+
+# --- the C helper (common/csrc/chain_hash.c) ------------------------------------------
+
+
+def test_native_chain_is_built() -> None:
+    # `make install` builds it against the system's libxxhash.
+    assert tokendb._chain_hash is not None
+
+
+def python_only(fn, *args):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tokendb, "_chain_hash", None)
+        return fn(*args)
+
+
+@hyp
+@given(
+    st.lists(st.integers(0, MAX_TOKEN), max_size=70),
+    st.sampled_from([1, 3, 16]),
+    st.booleans(),
+)
+def test_native_chain_matches_python_for_every_input(
+    tokens: list[int], size: int, unfull: bool
+) -> None:
+    database = db(chunk_size=size, save_unfull_chunk=unfull)
+    want = python_only(database.chunk_hashes, tokens)
+    assert want == expected_chain(tokens, size, unfull)
+    as_int64 = torch.tensor(tokens, dtype=torch.int64)
+    inputs = [tokens, tuple(tokens), as_int64, as_int64.to(torch.uint32)]
+    if all(t < 2**31 for t in tokens):
+        inputs.append(as_int64.to(torch.int32))
+    for given_tokens in inputs:
+        assert database.chunk_hashes(given_tokens) == want
+        assert keys(database, given_tokens) == python_only(keys, database, given_tokens)
+
+
+def test_native_chain_takes_ids_of_every_size() -> None:
+    # 0, one and two 30-bit digits, and the largest id.
+    tokens = [0, 1, 2**30 - 1, 2**30, 2**31, MAX_TOKEN - 1, MAX_TOKEN, 7]
+    assert db().chunk_hashes(tokens) == expected_chain(tokens, CS)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [-1, MAX_TOKEN + 1, 2**64, -(2**40)],
+    ids=["negative", "too-big", "huge", "huge-negative"],
+)
+def test_native_chain_rejects_an_id_in_a_later_chunk(bad: int) -> None:
+    tokens = list(range(4 * CS)) + [bad] + [1] * (CS - 1)
+    with pytest.raises(ValueError, match="token ids must be in"):
+        db().chunk_hashes(tokens)
+    if -(2**63) <= bad < 2**63:
+        with pytest.raises(ValueError, match="token ids must be in"):
+            db().chunk_hashes(torch.tensor(tokens, dtype=torch.int64))
+
+
+def test_items_that_are_not_exact_ints_take_the_python_path() -> None:
+    class Index:
+        def __index__(self) -> int:
+            return 3
+
+    tokens = [1, 2, True, 3, 5, Index(), 8, 9]
+    assert db().chunk_hashes(tokens) == expected_chain([1, 2, 1, 3, 5, 3, 8, 9], CS)
