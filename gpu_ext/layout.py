@@ -32,7 +32,7 @@ import itertools
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -138,6 +138,8 @@ class PagedKVViews:
     wide_rows: tuple[torch.Tensor, ...]
     block_offsets: torch.Tensor  # arange(block_size): the slots of a block, from its first
     layer_ptrs: torch.Tensor  # int64 data_ptr() of each canonical layer (native copies)
+    # native_copy's per-buffer-geometry argument tuples, built on first use.
+    native_plans: dict = field(default_factory=dict, compare=False, repr=False)
 
     def row_index(self, slot_mapping: torch.Tensor) -> torch.Tensor:
         """Row indices ``[kv, tokens * rows_per_token]``, ordered as the chunk stores them.

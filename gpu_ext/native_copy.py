@@ -57,27 +57,58 @@ def copy_slots(
     is copied. Returns None (nothing copied, slots unchecked) when the helper is missing,
     the cache is not in host memory or the layout has no contiguous innermost run.
     """
-    lay = views.layout
-    if _block_copy is None or not len(layers) or lay.device.type != "cpu":
+    if _block_copy is None:
         return None
+    tok = chunk.stride(2)
+    key = (tok, chunk.stride(0), chunk.stride(1), layers.start, len(layers), to_cache)
+    plan = views.native_plans.get(key)
+    if plan is None:
+        plan = views.native_plans[key] = _plan(views, *key)
+    if plan is False:
+        return None
+    size, head, middle, tail = plan  # type: ignore[misc]
+    return _block_copy.copy_slots(
+        head,
+        chunk.data_ptr() + start * tok * size,
+        *middle,
+        slots.data_ptr(),
+        slots.numel(),
+        *tail,
+        torch.get_num_threads(),
+        PARALLEL_BYTES,
+        STREAM_BYTES,
+    )
+
+
+Plan = tuple[int, int, tuple[int, int], tuple[object, ...]]
+
+
+def _plan(
+    views: PagedKVViews,
+    tok: int,
+    kvs: int,
+    lay_stride: int,
+    first: int,
+    count: int,
+    to_cache: bool,
+) -> Plan | bool:
+    """copy_slots's arguments that depend only on the cache, the buffer's strides and
+    the direction, or False when the helper cannot take them."""
+    lay = views.layout
+    if not count or lay.device.type != "cpu":
+        return False
     cache0 = views.layers[0]
     size = cache0.element_size()
-    tok, kvs, lay_stride = chunk.stride(2), chunk.stride(0), chunk.stride(1)
     geometry = _coalesce(
         (lay.block_size, cache0.shape[2], lay.kv_heads, lay.head_dim),
         tuple(cache0.stride()[1:]),
         (tok, kvs, lay.head_dim, 1),
     )
     if geometry is None:
-        return None
+        return False
     dims, cache_strides, chunk_strides, run = geometry
-    return _block_copy.copy_slots(
-        views.layer_ptrs.data_ptr() + layers.start * 8,
-        chunk.data_ptr() + start * tok * size,
-        lay_stride * size,
-        len(layers),
-        slots.data_ptr(),
-        slots.numel(),
+    head = views.layer_ptrs.data_ptr() + first * 8
+    tail = (
         lay.block_size,
         lay.num_slots,
         to_cache,
@@ -87,10 +118,8 @@ def copy_slots(
         tuple(s * size for s in cache_strides),
         tuple(s * size for s in chunk_strides),
         run * size,
-        torch.get_num_threads(),
-        PARALLEL_BYTES,
-        STREAM_BYTES,
     )
+    return size, head, (lay_stride * size, count), tail
 
 
 @functools.lru_cache(maxsize=256)
