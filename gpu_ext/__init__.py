@@ -16,7 +16,7 @@ build it once after the engine has allocated its caches, and again if it realloc
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -106,6 +106,49 @@ class KVCopier:
             self._triton.scatter(slot_mapping, src, layer, start=start, end=end)
         else:
             torch_ops.scatter_from_chunk(self.views, slot_mapping, src, layer, start=start, end=end)
+
+    def gather_chunks(
+        self,
+        slot_mapping: torch.Tensor,
+        spans: Sequence[tuple[int, int]],
+        outs: Sequence[torch.Tensor],
+    ) -> None:
+        """One :meth:`gather` per ``(spans[i], outs[i])`` — ``out`` receives
+        ``slot_mapping[start:end]`` — for a request's chunks at once. If chunk ``i``
+        fails, those before it are complete and its exception carries
+        ``chunks_done = i``."""
+        if self._triton is None:
+            torch_ops.copy_chunks(self.views, slot_mapping, spans, outs, to_cache=False)
+        else:
+            _each(self.gather, slot_mapping, spans, outs)
+
+    def scatter_chunks(
+        self,
+        slot_mapping: torch.Tensor,
+        spans: Sequence[tuple[int, int]],
+        srcs: Sequence[torch.Tensor],
+    ) -> None:
+        """The mirror of :meth:`gather_chunks`."""
+        if self._triton is None:
+            torch_ops.copy_chunks(self.views, slot_mapping, spans, srcs, to_cache=True)
+        else:
+            _each(self.scatter, slot_mapping, spans, srcs)
+
+
+def _each(
+    one: Callable[[torch.Tensor, torch.Tensor], None],
+    slot_mapping: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
+    chunks: Sequence[torch.Tensor],
+) -> None:
+    finished = 0
+    try:
+        for (start, end), chunk in zip(spans, chunks, strict=True):
+            one(slot_mapping[start:end], chunk)
+            finished += 1
+    except Exception as exc:
+        exc.chunks_done = finished  # type: ignore[attr-defined]
+        raise
 
 
 def make_copier(

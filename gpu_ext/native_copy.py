@@ -57,6 +57,20 @@ def copy_slots(
     is copied. Returns None (nothing copied, slots unchecked) when the helper is missing,
     the cache is not in host memory or the layout has no contiguous innermost run.
     """
+    return copy_slots_at(views, slots.data_ptr(), slots.numel(), chunk, layers, start, to_cache)
+
+
+def copy_slots_at(
+    views: PagedKVViews,
+    slots_addr: int,
+    n_slots: int,
+    chunk: torch.Tensor,
+    layers: range,
+    start: int,
+    to_cache: bool,
+) -> int | None:
+    """copy_slots with the slots given as the address and length of int64 memory
+    (which the caller keeps alive), for callers that walk one mapping chunk by chunk."""
     if _block_copy is None:
         return None
     tok = chunk.stride(2)
@@ -71,8 +85,8 @@ def copy_slots(
         head,
         chunk.data_ptr() + start * tok * size,
         *middle,
-        slots.data_ptr(),
-        slots.numel(),
+        slots_addr,
+        n_slots,
         *tail,
         torch.get_num_threads(),
         PARALLEL_BYTES,

@@ -216,6 +216,63 @@ def scatter_from_chunk(
         cache[i].index_put_((index,), rows[:, j])
 
 
+def copy_chunks(
+    views: PagedKVViews,
+    slot_mapping: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
+    chunks: Sequence[torch.Tensor],
+    *,
+    to_cache: bool,
+) -> None:
+    """Many whole-chunk gathers (or scatters, ``to_cache``) in one call: chunk ``i``'s
+    tokens ``[0, end - start)`` pair with ``slot_mapping[start:end]`` for ``(start, end)
+    = spans[i]``.
+
+    The same as one gather_to_chunk/scatter_from_chunk per chunk, in order, minus their
+    per-call cost: the slot mapping is converted once, and a buffer geometry checked
+    once is not checked again. If chunk ``i`` fails, chunks before it are complete and
+    its exception propagates with ``chunks_done = i`` set on it.
+    """
+    one = scatter_from_chunk if to_cache else gather_to_chunk
+    native = native_copy.available() and views.layout.device.type == "cpu"
+    if native:
+        if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int64, torch.int32):
+            native = False  # one() raises the usual error for the first chunk
+        else:
+            slot_mapping = slot_mapping.to(dtype=torch.int64, device="cpu").contiguous()
+    checked = views.checked_buffers
+    mla = views.layout.kind is KVKind.MLA
+    every_layer = range(views.layout.num_layers)
+    total = slot_mapping.numel()
+    base = slot_mapping.data_ptr() if native else 0
+    finished = 0
+    try:
+        for (start, end), chunk in zip(spans, chunks, strict=True):
+            n = end - start
+            done = None
+            # Out-of-range spans behave as slicing does (an empty or shorter mapping):
+            # the checked call below sees them.
+            if native and 0 <= start <= end <= total:
+                geometry = (chunk.shape, chunk.stride(), chunk.dtype, chunk.device)
+                if geometry not in checked or n > chunk.shape[-2]:
+                    check_call(
+                        views, slot_mapping[start:end], chunk, None, 0, None, check_slots=False
+                    )
+                    checked.add(geometry)
+                buf = chunk.unsqueeze(0) if mla else chunk
+                done = native_copy.copy_slots_at(
+                    views, base + 8 * start, n, buf, every_layer, 0, to_cache
+                )
+            if done is None:
+                one(views, slot_mapping[start:end], chunk)
+            elif done < n:
+                one(views, slot_mapping[start + done : end], chunk, start=done, end=n)
+            finished += 1
+    except Exception as exc:
+        exc.chunks_done = finished  # type: ignore[attr-defined]
+        raise
+
+
 def _native_first(
     views: PagedKVViews,
     slot_mapping: torch.Tensor,

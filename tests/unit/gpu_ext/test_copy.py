@@ -448,3 +448,72 @@ def test_native_rejects_out_of_range_slots_before_any_copy(direction: str) -> No
         getattr(copier, direction)(slots, chunk)
     assert not chunk.any()
     assert torch.equal(bits(slot_tokens(layers, kind)), bits(before))
+
+
+# -- gather_chunks / scatter_chunks: a request's chunks in one call ----------------------
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch-only"])
+@pytest.mark.parametrize("spec", SPECS)
+def test_chunk_batches_equal_one_call_per_chunk(spec: str, native: bool) -> None:
+    engine_view, layers, kind = make_cache(spec, torch.float16, random=True, head_dim=32)
+    copier = make_copier(engine_view, backend="torch")
+    # A request of 3 chunks: 2 whole blocks, 1 block + a run inside another, 2 tokens.
+    slots = torch.cat(
+        [whole_block_slots(torch.randperm(B - 1)[:4], 0), torch.tensor([N * 6 + 1, N * 6 + 2])]
+    )
+    spans = [(0, 2 * N), (2 * N, 3 * N + 1), (3 * N + 1, len(slots))]
+    outs = [torch.zeros(copier.layout.chunk_shape(e - s), dtype=torch.float16) for s, e in spans]
+    with pytest.MonkeyPatch.context() as mp:
+        if not native:
+            mp.setattr(native_copy, "_block_copy", None)
+        copier.gather_chunks(slots, spans, outs)
+    source = slot_tokens(layers, kind)
+    for (s, e), out in zip(spans, outs, strict=True):
+        assert torch.equal(bits(out), bits(as_chunk(source[:, slots[s:e]], kind)))
+
+    target = torch.randperm(NUM_SLOTS)[: len(slots)]
+    written = []
+    for batched in (True, False):
+        torch.manual_seed(9)
+        view, fresh_layers, _ = make_cache(spec, torch.float16, random=True, head_dim=32)
+        fresh = make_copier(view, backend="torch")
+        with pytest.MonkeyPatch.context() as mp:
+            if not native:
+                mp.setattr(native_copy, "_block_copy", None)
+            if batched:
+                fresh.scatter_chunks(target, spans, outs)
+            else:
+                for (s, e), out in zip(spans, outs, strict=True):
+                    fresh.scatter(target[s:e], out)
+        written.append(slot_tokens(fresh_layers, kind))
+    assert torch.equal(bits(written[0]), bits(written[1]))
+    assert torch.equal(bits(written[0][:, target]), bits(source[:, slots]))
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch-only"])
+@pytest.mark.parametrize(
+    "bad", ["slot", "shape", "dtype"], ids=["slot-out-of-range", "wrong-shape", "wrong-dtype"]
+)
+def test_chunk_batch_failure_says_how_many_chunks_are_done(native: bool, bad: str) -> None:
+    engine_view, layers, kind = make_cache("cpu", torch.float16, random=True)
+    copier = make_copier(engine_view, backend="torch")
+    slots = whole_block_slots(torch.randperm(B)[:5], 0)  # 4 whole blocks
+    spans = [(0, N), (N, 2 * N), (2 * N, 3 * N), (3 * N, 4 * N)]
+    outs = [torch.zeros(copier.layout.chunk_shape(N), dtype=torch.float16) for _ in spans]
+    if bad == "slot":
+        slots[2 * N : 3 * N] += NUM_SLOTS  # the third chunk names slots past the cache
+    elif bad == "shape":
+        outs[2] = torch.zeros(copier.layout.chunk_shape(N - 1), dtype=torch.float16)
+    else:
+        outs[2] = torch.zeros(copier.layout.chunk_shape(N), dtype=torch.float32)
+    with pytest.MonkeyPatch.context() as mp:
+        if not native:
+            mp.setattr(native_copy, "_block_copy", None)
+        with pytest.raises(ValueError) as info:
+            copier.gather_chunks(slots, spans, outs)
+    assert info.value.chunks_done == 2
+    source = slot_tokens(layers, kind)
+    for (s, e), out in zip(spans[:2], outs[:2], strict=True):
+        assert torch.equal(bits(out), bits(as_chunk(source[:, slots[s:e]], kind)))
+    assert not outs[3].any()
