@@ -59,6 +59,11 @@ _SMALL_SIGNED_DTYPES = (torch.int8, torch.int16, torch.int32)
 _NATIVE_DTYPES = {torch.int64: "i64", torch.int32: "i32", torch.uint32: "u32"}
 
 
+def native_chain_available() -> bool:
+    """Whether the C helper for the xxh3 chain was built and loads."""
+    return _chain_hash is not None
+
+
 def make_hasher(hash_algorithm: str) -> Callable[[bytes], bytes]:
     """The 16-byte digest function for a configured algorithm name."""
     if hash_algorithm == "xxh3_128":

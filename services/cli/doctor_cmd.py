@@ -10,6 +10,8 @@ Each check ends ok, warn or fail with one line saying why and what to do:
 - nixl / ucx: NIXL imports and its UCX backend starts (in a child process: a broken
   native library must not take the doctor down); a warn only, the ZMQ channel is the
   fallback;
+- native: the C helpers (block copier, token hasher) were built with the package; a
+  warn only, slower Python/torch paths give the same results;
 - disk: the disk tier's directory exists and is writable, has room for
   engine.disk.max_size, and takes an aligned O_DIRECT write (old tmpfs refuses it);
 - memory: engine.l1.max_size + reserve against the memory available now, and the
@@ -39,7 +41,14 @@ import psutil
 from kvmesh.common.config import ConfigError, KvmeshConfig, load_config
 from kvmesh.common.transport.curve import CurveKeys
 from kvmesh.services.cli import status_cmd
-from kvmesh.services.cli.doctor_host import Check, Level, check_disk, check_memory, check_nixl
+from kvmesh.services.cli.doctor_host import (
+    Check,
+    Level,
+    check_disk,
+    check_memory,
+    check_native,
+    check_nixl,
+)
 
 
 def check_config(path: str | None) -> tuple[KvmeshConfig | None, list[Check]]:
@@ -299,13 +308,13 @@ async def _run_all(cfg: KvmeshConfig, timeout_s: float, curve: CurveKeys | None)
     disk = await asyncio.to_thread(check_disk, cfg)
     memory = check_memory(cfg)
     reach = await check_reach(cfg, timeout_s, curve)
-    return ports + await nixl + disk + memory + reach
+    return ports + await nixl + check_native() + disk + memory + reach
 
 
 def run_doctor(path: str | None, timeout_s: float) -> list[Check]:
     cfg, checks = check_config(path)
     if cfg is None:
-        return checks + check_nixl()
+        return checks + check_nixl() + check_native()
     from kvmesh.common.transport.curve import load_curve
 
     try:

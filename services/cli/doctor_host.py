@@ -64,6 +64,31 @@ def check_nixl() -> list[Check]:
     ]
 
 
+def check_native() -> list[Check]:
+    """Whether the C helpers were built with the package (they are optional: without
+    them the same results come from slower Python/torch paths)."""
+    from kvmesh.common import tokendb
+    from kvmesh.gpu_ext import native_copy
+
+    rebuild = "reinstall kvmesh where a C compiler (and libxxhash0) is present"
+    return [
+        Check("native", "ok", "the C block copier is built (CPU KV copies)")
+        if native_copy.available()
+        else Check(
+            "native",
+            "warn",
+            f"the C block copier is not built: CPU KV copies use torch (~2x slower); {rebuild}",
+        ),
+        Check("native", "ok", "the C token hasher is built")
+        if tokendb.native_chain_available()
+        else Check(
+            "native",
+            "warn",
+            f"the C token hasher is not built: keys are hashed in Python (2-5x slower); {rebuild}",
+        ),
+    ]
+
+
 def _o_direct_error(directory: Path) -> str:
     """ "" when an aligned O_DIRECT write works in directory, else why not."""
     if not hasattr(os, "O_DIRECT"):

@@ -205,7 +205,9 @@ def test_doctor_passes_a_good_config(mesh, tmp_path):
     assert any(w.startswith("engine.controller.url") and "answers" in w for w in whys), whys
     assert any(w.startswith("engine.remote.url") and "answers" in w for w in whys), whys
     assert any("exists and is writable" in w for w in whys), whys
-    assert {c["name"] for c in checks} >= {"config", "port", "nixl", "disk", "memory", "reach"}
+    names = {"config", "port", "nixl", "native", "disk", "memory", "reach"}
+    assert {c["name"] for c in checks} >= names
+    assert [c["level"] for c in checks if c["name"] == "native"] == ["ok", "ok"], checks
 
 
 def test_doctor_fails_a_misspelt_key(tmp_path):
