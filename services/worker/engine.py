@@ -396,35 +396,47 @@ class KVEngine:
         objs: list[MemoryObj],
         slot_mapping: torch.Tensor,
     ) -> int:
-        """Copy into objs (one per chunk not held) and put them, with the touches of the
-        held chunks, in one pass over L1. A copy that raises still stores the chunks
-        before it, as one call per chunk would; the rest of objs go back to the pool."""
-        gather = self.copier.gather
-        run: list[MemoryObj | None] = []
-        copied = 0
+        """Copy into objs (one per chunk not held, in one copier call) and put them,
+        with the touches of the held chunks, in one pass over L1. A copy that raises
+        still stores the chunks before it, as one call per chunk would; the rest of
+        objs go back to the pool."""
+        todo = [i for i, h in enumerate(held) if not h]
+        copied = len(objs)
         try:
-            for (start, end, key), h in zip(chunks, held, strict=True):
-                if h:
-                    run.append(None)
-                    continue
-                obj = objs[copied]
-                gather(slot_mapping[start:end], obj.tensor)
-                obj.key = key
-                run.append(obj)
-                copied += 1
+            if objs:
+                self.copier.gather_chunks(
+                    slot_mapping,
+                    [(chunks[i][0], chunks[i][1]) for i in todo],
+                    [obj.tensor for obj in objs],
+                )
+        except BaseException as exc:
+            copied = getattr(exc, "chunks_done", 0)  # the copier's count of complete ones
+            raise
         finally:
             if copied < len(objs):
                 self.pool.release_batch(objs[copied:])
-            added = self.storage.put_run([key for _, _, key in chunks[: len(run)]], run)
+            # Up to the first chunk not copied: the held ones before it are touched.
+            limit = todo[copied] if copied < len(objs) else len(chunks)
+            run: list[MemoryObj | None] = []
+            j = 0
+            for (_, _, key), h in zip(chunks[:limit], held, strict=False):
+                if h:
+                    run.append(None)
+                else:
+                    obj = objs[j]
+                    obj.key = key
+                    run.append(obj)
+                    j += 1
+            added = self.storage.put_run([key for _, _, key in chunks[:limit]], run)
             stored = 0
             n_added = 0
-            i = 0
+            j = 0
             for (start, end, _), obj in zip(chunks, run, strict=False):
                 if obj is not None:
-                    if added[i]:
+                    if added[j]:
                         stored += end - start
                         n_added += 1
-                    i += 1
+                    j += 1
             if n_added:
                 self.stats.chunks_stored.inc(n_added)
         return stored
@@ -541,33 +553,40 @@ class KVEngine:
         slot_mapping: torch.Tensor,
         loaded: torch.Tensor,
     ) -> None:
-        scatter = self.copier.scatter
         dtype = self.layout.dtype
-        hits: dict[str, list[int]] = {}  # source → [chunks, tokens], counted once
-        done = 0
+        fit = 0  # chunks up to the first of an unexpected shape
+        for (start, end, _), obj in zip(chunks, objs, strict=False):
+            if obj.shape != self._chunk_shape(end - start) or obj.dtype != dtype:
+                break
+            fit += 1
+        done = fit
         try:
-            for (start, end, _), obj, source in zip(chunks, objs, sources, strict=False):
-                n = end - start
-                if obj.shape != self._chunk_shape(n) or obj.dtype != dtype:
-                    self._fits(obj, n)  # logs why
-                    self.stats.load_errors.inc()
-                    break
-                scatter(slot_mapping[start:end], obj.tensor)
-                done = end
-                hit = hits.get(source)
-                if hit is None:
-                    hits[source] = [1, n]
-                else:
-                    hit[0] += 1
-                    hit[1] += n
+            if fit:
+                self.copier.scatter_chunks(
+                    slot_mapping,
+                    [(start, end) for start, end, _ in chunks[:fit]],
+                    [obj.tensor for obj in objs[:fit]],
+                )
+        except BaseException as exc:
+            done = getattr(exc, "chunks_done", 0)  # the copier's count of complete ones
+            raise
         finally:
             if done:
                 # Chunks run back to back from the first: one fill for all of them.
-                loaded[chunks[0][0] : done] = True
+                loaded[chunks[0][0] : chunks[done - 1][1]] = True
+            hits: dict[str, list[int]] = {}  # source → [chunks, tokens], counted once
+            for (start, end, _), source in zip(chunks[:done], sources, strict=False):
+                hit = hits.setdefault(source, [0, 0])
+                hit[0] += 1
+                hit[1] += end - start
             for source, (count, n) in hits.items():
                 self.stats.record_hits(source, count, n)
             for obj in objs:
                 obj.ref_down()
+        if fit < len(objs):
+            start, end, _ = chunks[fit]
+            self._fits(objs[fit], end - start)  # logs why
+            self.stats.load_errors.inc()
 
     def _fits(self, obj: MemoryObj, num_tokens: int) -> bool:
         expected = self._chunk_shape(num_tokens)
