@@ -7,7 +7,8 @@ raw TCP echo process on loopback, then for values of 256 KiB, 2 MiB and 32 MiB
 measures one request at a time, in the same run:
 
 - **kvmesh**: the worker's `kvmesh://` connector (the cache-server's asyncio client;
-  get returns the payload as a received ZMQ frame, header parsed);
+  get returns the payload as received ZMQ frames, header parsed: one frame, or parts
+  of 8 MiB for larger values);
 - **kvmesh+L1**: the whole remote-tier get: the same fetch, then the copy into an L1
   buffer with its checksum verified (what a retrieve pays);
 - **redis-py**: `redis.asyncio` GET/SET against redis-server (the hiredis parser when
@@ -47,6 +48,7 @@ from typing import Any
 
 import torch
 
+from kvmesh.common.chunk_codec import payload_nbytes
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import HostMemoryPool, MemoryFormat
 from kvmesh.services.worker.tiers.remote_codec import encode
@@ -238,7 +240,7 @@ class Bench:
         t0 = time.perf_counter()
         if path == "kvmesh":
             fetched = await self.kv.get(key)
-            assert fetched is not None and len(fetched.payload) == SIZES[name]
+            assert fetched is not None and payload_nbytes(fetched.payload) == SIZES[name]
         elif path == "kvmesh+L1":
             from kvmesh.services.worker.tiers.remote_codec import decode_into
 

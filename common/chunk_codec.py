@@ -68,12 +68,17 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import TypeAlias
 
 import torch
 import xxhash
 
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import MemoryFormat, MemoryObj
+
+# A stored payload as read back: one buffer, or its parts in order (a cache-server
+# value received in several frames).
+Payload: TypeAlias = memoryview | bytes | list[memoryview]
 
 MAX_DIMS = 8
 _DTYPE_BYTES = 16
@@ -472,15 +477,28 @@ def check_key(header: ChunkHeader, key: ChunkKey) -> None:
         raise CorruptChunk(f"holds another key ({header.key.to_str()}, not {key.to_str()})")
 
 
-def check_stored(header: ChunkHeader, data: memoryview | bytes) -> None:
+def check_stored(header: ChunkHeader, data: Payload) -> None:
     """CorruptChunk unless data, the payload as stored, has the header's stored length
     and, under a lossy codec, its checksum (a lossless payload is checked after
     decoding, by check_payload)."""
-    n = memoryview(data).nbytes
+    n = payload_nbytes(data)
     if n != header.stored_nbytes:
         raise CorruptChunk(f"stored payload of {n} bytes, header says {header.stored_nbytes}")
-    if not header.codec.lossless and payload_checksum(data) != header.checksum:
+    if not header.codec.lossless and payload_checksum(joined(data)) != header.checksum:
         raise CorruptChunk("stored payload checksum mismatch")
+
+
+def payload_nbytes(data: Payload) -> int:
+    if isinstance(data, list):
+        return sum(memoryview(part).nbytes for part in data)
+    return memoryview(data).nbytes
+
+
+def joined(data: Payload) -> memoryview | bytes:
+    """One buffer: data itself, or its parts copied into one."""
+    if isinstance(data, list):
+        return data[0] if len(data) == 1 else b"".join(data)
+    return data
 
 
 def check_payload(header: ChunkHeader, data: memoryview | bytes) -> None:

@@ -18,11 +18,13 @@ import torch
 from kvmesh.common.chunk_codec import (
     ChunkHeader,
     CorruptChunk,
+    Payload,
     check_payload,
     check_stored,
     chunk_bytes,
     describe,
     dtype_name,
+    joined,
     payload_checksum,
 )
 from kvmesh.common.chunk_codec import (
@@ -81,20 +83,27 @@ def encode_chunk(
     return header, chunk_bytes(obj), header.checksum
 
 
-def decode_chunk(header: ChunkHeader, stored: memoryview | bytes, out: MemoryObj) -> int | None:
-    """Check stored (the payload as stored under header) and put the chunk into out
-    (a buffer of the header's shape, dtype and format). Returns the checksum of out's
-    bytes when known (None after a lossy decode, whose bytes are not the raw chunk's);
-    CorruptChunk when a check fails."""
+def decode_chunk(header: ChunkHeader, stored: Payload, out: MemoryObj) -> int | None:
+    """Check stored (the payload as stored under header, one buffer or its parts) and
+    put the chunk into out (a buffer of the header's shape, dtype and format). Returns
+    the checksum of out's bytes when known (None after a lossy decode, whose bytes are
+    not the raw chunk's); CorruptChunk when a check fails."""
     if (tuple(out.shape), out.dtype) != (tuple(header.shape), header.dtype):
         raise ValueError(f"buffer {tuple(out.shape)} {out.dtype} does not match the header")
     check_stored(header, stored)
     dst = chunk_bytes(out)
     if header.codec is CodecId.NONE:
-        if _address(stored) != _address(dst):
+        if isinstance(stored, list):  # parts go straight to their place in out
+            at = 0
+            for part in stored:
+                n = memoryview(part).nbytes
+                dst[at : at + n] = part
+                at += n
+        elif _address(stored) != _address(dst):
             dst[:] = stored
         check_payload(header, dst)
         return header.checksum
+    stored = joined(stored)  # codecs decode one buffer
     if _address(stored) == _address(dst):
         raise ValueError("a compressed payload cannot be decoded into its own buffer")
     try:

@@ -18,6 +18,13 @@ socket, so the server sees `[routing id, header, *values]`.
   per key. `GetValueReply` is followed by the value when `found`; `GetValuesReply` by
   one frame per found key, in key order. `meta` is a small opaque blob stored with a
   value and returned with it (the worker's remote tier keeps its chunk header there).
+- Large values in parts: a client that says `value_part_bytes = P` in its hello gets a
+  found value longer than P as several consecutive frames of at most P bytes each (the
+  reply's `parts` says how many; `GetValuesReply.parts` one count per found key, empty
+  when every value is one frame). A receiver then never needs one huge allocation per
+  value: libzmq mallocs each received frame, and glibc maps every allocation above
+  its largest dynamic threshold (32 MiB) afresh, faulting in each page. A client that
+  says nothing (0) gets every value as one frame.
 - `checksum` is xxh3-64 of the value. The server computes it on every put, rejects a
   put whose client-given checksum differs, keeps it with the value and returns it on
   every get, so readers can check the bytes end to end.
@@ -37,6 +44,7 @@ MAX_KEY_BYTES = 512
 MAX_META_BYTES = 4096
 MAX_BATCH = 4096
 MAX_LIST_LIMIT = 10_000
+MIN_PART_BYTES = 1 << 20
 
 
 class ErrorCode(IntEnum):
@@ -67,6 +75,9 @@ class Hello(wire.Message, tag="hello"):
     rid: int
     version: int
     client: str = ""
+    # 0: values come back as one frame each; else in parts of at most this many bytes
+    # (the server raises anything below MIN_PART_BYTES to it).
+    value_part_bytes: int = 0
 
 
 class PutValue(wire.Message, tag="put"):
@@ -169,6 +180,7 @@ class GetValueReply(wire.Message, tag="get_r"):
     found: bool
     meta: bytes = b""
     checksum: int = 0
+    parts: int = 1  # value frames that follow, when found
 
 
 class CheckValueReply(wire.Message, tag="exists_r"):
@@ -193,6 +205,8 @@ class GetValuesReply(wire.Message, tag="mget_r"):
     # One per key (empty bytes and 0 where not found).
     metas: list[bytes]
     checksums: list[int]
+    # Frames of each found value, in order; empty when each is one frame.
+    parts: list[int] = []
 
 
 class CheckValuesReply(wire.Message, tag="mexists_r"):

@@ -54,12 +54,31 @@ _MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 @dataclass(slots=True)
 class Value:
-    """A fetched value: `data` is a view of the received frame (kept alive here)."""
+    """A fetched value: `data` is a view of the received frame, or with
+    `value_part_bytes` and a value longer than that, a list of views of its parts in
+    order (the frames are kept alive here)."""
 
-    data: memoryview
+    data: memoryview | list[memoryview]
     meta: bytes
     checksum: int
     _frame: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        if isinstance(self.data, list):
+            return sum(part.nbytes for part in self.data)
+        return self.data.nbytes
+
+    def tobytes(self) -> bytes:
+        if isinstance(self.data, list):
+            return b"".join(self.data)
+        return self.data.tobytes()
+
+
+def _value(frames: Sequence[Any], meta: bytes, checksum: int) -> Value:
+    if len(frames) == 1:
+        return Value(frames[0].buffer, meta, checksum, frames[0])
+    return Value([f.buffer for f in frames], meta, checksum, list(frames))
 
 
 class CacheServerClient:
@@ -73,8 +92,12 @@ class CacheServerClient:
         name: str = "",
         context: zmq.Context | None = None,
         curve: CurveKeys | None = None,
+        value_part_bytes: int = 0,
     ) -> None:
+        """value_part_bytes: ask for values longer than this in parts (see the
+        protocol); gets then return such a value's `data` as a list of views."""
         self.endpoint = endpoint
+        self.value_part_bytes = value_part_bytes
         self.curve = curve
         self.timeout_s = timeout_s
         self.name = name or f"kvmesh-{os.getpid()}"
@@ -259,7 +282,9 @@ class CacheServerClient:
     # -- requests -----------------------------------------------------------------------
     async def hello(self, timeout_s: float | None = None) -> proto.HelloReply:
         async with self._hello_lock:
-            msg = proto.Hello(next(self._rids), proto.PROTOCOL_VERSION, self.name)
+            msg = proto.Hello(
+                next(self._rids), proto.PROTOCOL_VERSION, self.name, self.value_part_bytes
+            )
             reply, _ = await self._send(msg, (), self.timeout_s if timeout_s is None else timeout_s)
             self.max_value_size = reply.max_value_size
             self.max_batch = reply.max_batch
@@ -285,9 +310,11 @@ class CacheServerClient:
         reply, frames = await self._call(lambda rid: proto.GetValue(rid, key), (), timeout_s)
         if not reply.found:
             return None
-        if len(frames) != 1:
-            raise BadRequestError(f"get reply carried {len(frames)} value frames, not 1")
-        return Value(frames[0].buffer, reply.meta, reply.checksum, frames[0])
+        if len(frames) != reply.parts or not frames:
+            raise BadRequestError(
+                f"get reply carried {len(frames)} value frames, not {reply.parts}"
+            )
+        return _value(frames, reply.meta, reply.checksum)
 
     async def exists(self, key: str, timeout_s: float | None = None) -> bool:
         reply, _ = await self._call(lambda rid: proto.CheckValue(rid, key), (), timeout_s)
@@ -329,15 +356,24 @@ class CacheServerClient:
             reply, frames = await self._call(
                 lambda rid, k=chunk: proto.GetValues(rid, k), (), timeout_s
             )
-            if len(frames) != sum(reply.found) or len(reply.found) != len(chunk):
+            n_found = sum(reply.found)
+            parts = reply.parts or [1] * n_found
+            if (
+                len(reply.found) != len(chunk)
+                or len(parts) != n_found
+                or min(parts, default=1) < 1
+                or len(frames) != sum(parts)
+            ):
                 raise BadRequestError("mget reply does not match its request")
-            it = iter(frames)
+            at = 0
+            counts = iter(parts)
             for found, meta, checksum in zip(
                 reply.found, reply.metas, reply.checksums, strict=True
             ):
                 if found:
-                    frame = next(it)
-                    out.append(Value(frame.buffer, meta, checksum, frame))
+                    n = next(counts)
+                    out.append(_value(frames[at : at + n], meta, checksum))
+                    at += n
                 else:
                     out.append(None)
         return out

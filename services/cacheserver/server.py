@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -56,6 +57,30 @@ GAUGE_PERIOD_S = 1.0
 class _Session:
     client: str
     last_seen: float
+    part_bytes: int = 0  # values longer than this go out in parts (0: never)
+
+
+GET_REPLIES = (proto.GetValueReply, proto.GetValuesReply)
+
+
+def in_parts(reply: Any, values: list, part: int) -> Answer:
+    """A get's reply and value frames with each value longer than `part` bytes cut
+    into frames of at most `part` (views of the stored value, no copy); unchanged for
+    other replies, for `part` 0, and when every value fits in one frame."""
+    if not part or not values or not isinstance(reply, GET_REPLIES):
+        return reply, values
+    frames: list[Any] = []
+    counts: list[int] = []
+    for value in values:
+        view = memoryview(value).cast("B")
+        pieces = [view[i : i + part] for i in range(0, len(view), part)] or [view]
+        frames += pieces if len(pieces) > 1 else [value]
+        counts.append(len(pieces))
+    if len(frames) == len(values):
+        return reply, values
+    if isinstance(reply, proto.GetValueReply):
+        return msgspec.structs.replace(reply, parts=counts[0]), frames
+    return msgspec.structs.replace(reply, parts=counts), frames
 
 
 class CacheServer:
@@ -197,21 +222,24 @@ class CacheServer:
             self.router.send(peer, self._error(msg, ErrorCode.UNKNOWN_MESSAGE, "not served here"))
             return
         op = msg.__struct_config__.tag
+        part = session.part_bytes
         if len(self.router.inflight) < MAX_INFLIGHT_TASKS and self.handlers.suspends(msg):
             # Over the cap, a get is answered from memory alone (a miss is always safe).
             handle = self.handlers.async_table[type(msg)]
-            self.router.spawn(peer, msg, self._handle_async, handle, msg, values, now)
+            self.router.spawn(peer, msg, self._handle_async, handle, msg, values, now, part)
             return
         try:
-            reply, out = handler(msg, values)
+            reply, out = in_parts(*handler(msg, values), part)
         except RequestError as exc:
             reply, out = self._refused(msg, exc)
         self._served(op, now)
         self.router.send(peer, reply, out)
 
-    async def _handle_async(self, handler: Any, msg: Any, values: list, t0: float) -> Answer:
+    async def _handle_async(
+        self, handler: Any, msg: Any, values: list, t0: float, part: int
+    ) -> Answer:
         try:
-            return await handler(msg, values)
+            return in_parts(*await handler(msg, values), part)
         except RequestError as exc:
             return self._refused(msg, exc)
         finally:
@@ -250,7 +278,9 @@ class CacheServer:
                 # NO_HELLO (retryable) and says hello again.
                 oldest = min(self.sessions, key=lambda p: self.sessions[p].last_seen)
                 del self.sessions[oldest]
-        self.sessions[peer] = _Session(msg.client[:100], now)
+        part = msg.value_part_bytes
+        part = max(part, proto.MIN_PART_BYTES) if part > 0 else 0
+        self.sessions[peer] = _Session(msg.client[:100], now, part)
         self.stats.sessions.set(len(self.sessions))
         return proto.HelloReply(
             msg.rid,

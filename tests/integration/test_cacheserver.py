@@ -69,6 +69,43 @@ def test_every_operation_round_trips(server) -> None:
     asyncio.run(main())
 
 
+def test_large_values_come_in_parts_to_clients_that_ask(server) -> None:
+    async def main() -> None:
+        whole = await connected(server)
+        # Below the server's minimum part size: raised to proto.MIN_PART_BYTES (1 MiB).
+        parted = await connected(server, value_part_bytes=1000)
+        try:
+            big, exact, small = os.urandom(3 * MiB + 5), os.urandom(MiB), os.urandom(5000)
+            sums = [await whole.put(f"parts:{n}", v) for n, v in enumerate((big, exact, small))]
+
+            got = await parted.get("parts:0")
+            assert got is not None and isinstance(got.data, list)
+            assert [p.nbytes for p in got.data] == [MiB, MiB, MiB, 5]
+            assert got.tobytes() == big and got.nbytes == len(big) and got.checksum == sums[0]
+            exact_got = await parted.get("parts:1")
+            assert isinstance(exact_got.data, memoryview) and exact_got.tobytes() == exact
+
+            # Batched: per-value part counts, found and missing keys mixed.
+            keys = ["parts:2", "parts:none", "parts:0", "parts:1", "parts:0"]
+            many = await parted.get_many(keys)
+            assert many[1] is None
+            assert [v.tobytes() for v in many if v] == [small, big, exact, big]
+            assert [v.checksum for v in many if v] == [sums[2], sums[0], sums[1], sums[0]]
+            assert isinstance(many[2].data, list) and len(many[2].data) == 4
+
+            # A client that did not ask keeps getting one frame per value.
+            one = await whole.get("parts:0")
+            assert isinstance(one.data, memoryview) and bytes(one.data) == big
+            assert [v.tobytes() for v in await whole.get_many(keys) if v] == [
+                small, big, exact, big,
+            ]  # fmt: skip
+        finally:
+            await whole.close()
+            await parted.close()
+
+    asyncio.run(main())
+
+
 def test_a_100_chunk_batch_is_one_round_trip(server) -> None:
     async def main() -> None:
         c = await connected(server)

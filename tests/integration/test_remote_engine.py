@@ -44,6 +44,35 @@ def test_a_fresh_engine_reuses_chunks_through_the_cacheserver(server, compressio
         b.close()
 
 
+def test_chunks_larger_than_a_part_come_back_whole(server) -> None:
+    # 640 tokens x 16 KiB = 10 MiB a chunk: the cache-server sends each in two parts
+    # (remote_kvmesh.VALUE_PART_BYTES), which the tier copies into one L1 buffer.
+    from kvmesh.services.worker.tiers.remote_kvmesh import VALUE_PART_BYTES
+
+    shape = {"layers": 4, "blocks": 80, "block_size": 16, "heads": 8, "head_dim": 128}
+    src_view, src_layers, kind = make_cache("cpu", torch.float16, True, **shape)
+    dst_view, dst_layers, _ = make_cache("cpu", torch.float16, False, **shape)
+    tokens = 1280
+    prompt = list(range(5000, 5000 + tokens))
+    src_slots, dst_slots = torch.randperm(1280)[:tokens], torch.randperm(1280)[:tokens]
+    opts = {"chunk": 640, "l1_bytes": 32 << 20, "timeout_s": 5.0}
+    a = remote_engine(server.url, src_view, instance="big-a", **opts)
+    b = remote_engine(server.url, dst_view, instance="big-b", **opts)
+    try:
+        chunk_bytes = a.layout.chunk_nbytes(640)
+        assert VALUE_PART_BYTES < chunk_bytes < 2 * VALUE_PART_BYTES
+        assert b.storage.tier("remote").connector.client.value_part_bytes == VALUE_PART_BYTES
+        assert a.store(prompt, src_slots) == tokens
+        assert a.storage.tier("remote").flush(10)
+        assert bool(b.retrieve(prompt, dst_slots).all())
+        want = slot_tokens(src_layers, kind)[:, src_slots]
+        assert torch.equal(bits(want), bits(slot_tokens(dst_layers, kind)[:, dst_slots]))
+        assert b.stats.metrics.value("tokens_hit_total", {"tier": "remote"}) == tokens
+    finally:
+        a.close()
+        b.close()
+
+
 def test_killing_the_cacheserver_mid_load(server) -> None:
     deadline_s, lookup_deadline_s = 0.5, 0.05
     view, _, _ = make_cache("cpu", torch.float16, True, blocks=BLOCKS)

@@ -149,7 +149,9 @@ def read_json_lines(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
 
-def remote_engine(url: str, view, *, instance: str = "t", chunk: int = 8, **remote):
+def remote_engine(
+    url: str, view, *, instance: str = "t", chunk: int = 8, l1_bytes: int = 8 << 20, **remote
+):
     """A KVEngine with a small L1 and the remote tier at url (health checks every 0.1 s)."""
     from kvmesh.common.config import EngineConfig, L1Config, RemoteConfig
     from kvmesh.services.worker.engine import KVEngine
@@ -158,7 +160,7 @@ def remote_engine(url: str, view, *, instance: str = "t", chunk: int = 8, **remo
     cfg = EngineConfig(
         chunk_size=chunk,
         model_name="remote-test",
-        l1=L1Config(max_size=8 << 20, reserve=0, alloc_timeout_s=0.2),
+        l1=L1Config(max_size=l1_bytes, reserve=0, alloc_timeout_s=0.2),
         remote=RemoteConfig(enabled=True, url=url, **options),
     )
     engine = KVEngine(instance, 0, cfg, view)

@@ -25,6 +25,7 @@ from kvmesh.common.chunk_codec import (
     ChunkHeader,
     Codec,
     CorruptChunk,
+    Payload,
     check_key,
     check_stored,
 )
@@ -70,7 +71,7 @@ def encode(
 
 
 def decode_into(
-    key: ChunkKey, header: ChunkHeader, payload: memoryview | bytes, allocator: Allocator
+    key: ChunkKey, header: ChunkHeader, payload: Payload, allocator: Allocator
 ) -> MemoryObj | None:
     """A new object from allocator holding the verified chunk (one reference, the
     caller's), None when the allocator has no room; CorruptChunk on a failed check."""
@@ -90,7 +91,7 @@ def decode_into(
 
 
 def decode_or_none(
-    key: ChunkKey, header: ChunkHeader, payload: memoryview | bytes, allocator: Allocator
+    key: ChunkKey, header: ChunkHeader, payload: Payload, allocator: Allocator
 ) -> MemoryObj | None:
     """`decode_into`, with an allocator that cannot make room (L1 full: AllocationError
     and the like) answered as None; CorruptChunk still raises."""
@@ -103,7 +104,7 @@ def decode_or_none(
 
 
 async def decode_off_loop(
-    key: ChunkKey, header: ChunkHeader, payload: memoryview | bytes, allocator: Allocator
+    key: ChunkKey, header: ChunkHeader, payload: Payload, allocator: Allocator
 ) -> MemoryObj | None:
     """`decode_or_none` on a worker thread (copy, checksum and decompression of a large
     chunk would stall the event loop). A caller cancelled meanwhile does not leak the

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
-from kvmesh.common.chunk_codec import ChunkHeader
+from kvmesh.common.chunk_codec import ChunkHeader, Payload
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.plugins import CONNECTORS_GROUP, PluginError, build, installed
 
@@ -38,11 +38,12 @@ SCHEMES = ("kvmesh", "redis", "rediss", "redis-cluster", "fs")
 
 @dataclass(slots=True)
 class Fetched:
-    """A value read back: its parsed header and its payload (still to be verified).
-    `keepalive` holds whatever owns the payload's memory (e.g. a ZMQ frame)."""
+    """A value read back: its parsed header and its payload (still to be verified;
+    one buffer, or a list of buffers to be read in order). `keepalive` holds whatever
+    owns the payload's memory (e.g. ZMQ frames)."""
 
     header: ChunkHeader
-    payload: memoryview | bytes
+    payload: Payload
     keepalive: Any = None
 
 

@@ -1,7 +1,8 @@
 """`kvmesh://host:port`: the cache-server, through its asyncio client.
 
 The chunk header rides in the value's meta and the payload is the value itself, so
-neither side copies the payload into a bigger buffer. Keys are `key_prefix +
+neither side copies the payload into a bigger buffer; a large value arrives in parts,
+which the reader copies straight into its L1 buffer. Keys are `key_prefix +
 ChunkKey.to_str()`. The client notices a lost connection at once (socket monitor),
 which the tier's health monitor reads through `connected()`.
 """
@@ -19,6 +20,11 @@ from kvmesh.services.worker.tiers.remote_connector import Fetched, host_ports
 
 DEFAULT_PORT = 7620
 CLEAR_PAGE = 1000
+# Values above this come in parts (see the protocol): a 32 MiB chunk received as one
+# frame costs a fresh mapping and 8192 page faults per get with glibc's defaults;
+# 8 MiB parts are reused heap memory after the first (benchmarks.remote: 32 MiB gets
+# ~1.5x faster).
+VALUE_PART_BYTES = 8 << 20
 
 
 class KvmeshConnector:
@@ -63,7 +69,10 @@ class KvmeshConnector:
     async def reconnect(self) -> None:
         if self.client is None:
             self.client = CacheServerClient(
-                self.endpoint, timeout_s=self.timeout_s, curve=self.curve
+                self.endpoint,
+                timeout_s=self.timeout_s,
+                curve=self.curve,
+                value_part_bytes=VALUE_PART_BYTES,
             )
             await self.client.connect()
         else:

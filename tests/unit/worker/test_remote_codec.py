@@ -3,6 +3,8 @@ kind of damage caught as CorruptChunk (never wrong bytes)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -113,4 +115,48 @@ def test_a_full_allocator_is_a_miss_not_an_error(pool) -> None:
             return None
 
     assert decode_into(KEY, header, payload, Full()) is None
+    src.ref_down()
+
+
+def in_parts(payload, cuts: list[int]) -> list[memoryview]:
+    """payload cut at the given offsets, as a cache-server client receives a big value."""
+    view = memoryview(bytes(payload))
+    bounds = [0, *cuts, len(view)]
+    return [view[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+@pytest.mark.parametrize("codec", list(Codec), ids=lambda c: c.name)
+@pytest.mark.parametrize("cuts", [[1], [4096, 8000], [100, 101, 30000]], ids=str)
+def test_a_payload_in_parts_decodes_like_one_buffer(pool, codec: Codec, cuts) -> None:
+    src = chunk(pool, compressible=codec is not Codec.NONE)
+    header, _, payload = encode(KEY, src, codec, 0.05)
+    assert header.codec is codec
+    cuts = [c for c in cuts if c < len(payload)]
+    dst = decode_into(KEY, header, in_parts(payload, cuts), pool)
+    whole = decode_into(KEY, header, bytes(payload), pool)
+    assert dst is not None and whole is not None
+    assert torch.equal(dst.raw, whole.raw) and dst.checksum == whole.checksum
+    if codec.lossless:
+        assert torch.equal(dst.raw, src.raw) and dst.checksum == header.checksum
+    for obj in (dst, whole, src):
+        obj.ref_down()
+
+
+@pytest.mark.parametrize("how", ["bit-in-second-part", "part-missing", "extra-part"])
+def test_damage_in_parts_is_caught_and_nothing_leaks(pool, how: str) -> None:
+    src = chunk(pool)
+    header, _, payload = encode(KEY, src, Codec.NONE)
+    parts = in_parts(payload, [5000, 20000])
+    if how == "bit-in-second-part":
+        bad = bytearray(parts[1])
+        bad[7] ^= 1
+        parts[1] = memoryview(bytes(bad))
+    elif how == "part-missing":
+        del parts[1]
+    else:
+        parts.append(memoryview(b"x"))
+    free_before = pool.free_pages
+    with pytest.raises(CorruptChunk):
+        decode_into(KEY, header, parts, pool)
+    assert pool.free_pages == free_before
     src.ref_down()
