@@ -88,6 +88,21 @@ class TransferChannel(Protocol):
         PD allocation at the peer. Raises PeerError when it did not complete."""
         ...
 
+    async def write_groups(
+        self,
+        endpoint: str,
+        alloc_id: int,
+        layer: int,
+        groups: Sequence[Sequence[Piece]],
+        timeout_s: float,
+        on_written: Callable[[int], None],
+    ) -> None:
+        """write each group in order, back to back, calling on_written(i) on the event
+        loop as soon as group i is complete (so its commit overlaps the next group's
+        write). Raises PeerError at the first group that did not complete; the groups
+        before it were reported."""
+        ...
+
     def hello_fields(self) -> tuple[str, bytes]:
         """(agent name, agent metadata) a peer server hands its readers; empty for ZMQ."""
         ...

@@ -140,6 +140,17 @@ class NixlChannel:
         pieces: Sequence[Piece],
         timeout_s: float,
     ) -> None:
+        await self.write_groups(endpoint, alloc_id, layer, [pieces], timeout_s, lambda _: None)
+
+    async def write_groups(
+        self,
+        endpoint: str,
+        alloc_id: int,
+        layer: int,
+        groups: Sequence[Sequence[Piece]],
+        timeout_s: float,
+        on_written: Callable[[int], None],
+    ) -> None:
         deadline = time.monotonic() + timeout_s
         try:
             peer = await self._peer_agent(endpoint, timeout_s)
@@ -148,17 +159,28 @@ class NixlChannel:
             self._agents.pop(endpoint, None)
             raise
         if not peer:
-            await self._zmq.write(endpoint, alloc_id, layer, pieces, deadline - time.monotonic())
+            await self._zmq.write_groups(
+                endpoint, alloc_id, layer, groups, deadline - time.monotonic(), on_written
+            )
             return
-        local, remote = [], []
-        for _, obj, addr in pieces:
-            for off, n in layer_regions(obj, layer):
-                local.append((obj.data_ptr + off, n, 0))
-                remote.append((addr + off, n, 0))
+        regions = []
+        for pieces in groups:
+            local, remote = [], []
+            for _, obj, addr in pieces:
+                for off, n in layer_regions(obj, layer):
+                    local.append((obj.data_ptr + off, n, 0))
+                    remote.append((addr + off, n, 0))
+            regions.append((local, remote))
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(
-            self._pool, self._transfer, peer, local, remote, deadline, "WRITE"
-        )
+
+        def write_all() -> None:
+            # One executor job for every group: the next WRITE starts the moment the
+            # last one ends, with no hop through the loop in between.
+            for i, (local, remote) in enumerate(regions):
+                self._transfer(peer, local, remote, deadline, "WRITE")
+                loop.call_soon_threadsafe(on_written, i)
+
+        await loop.run_in_executor(self._pool, write_all)
 
     async def _read(
         self,

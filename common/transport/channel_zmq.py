@@ -87,6 +87,23 @@ class ZmqChannel:
             self._conns.drop(endpoint)
             raise PeerError(f"unexpected reply to push: {type(reply).__name__}")
 
+    async def write_groups(
+        self,
+        endpoint: str,
+        alloc_id: int,
+        layer: int,
+        groups: Sequence[Sequence[Piece]],
+        timeout_s: float,
+        on_written: Callable[[int], None],
+    ) -> None:
+        deadline = time.monotonic() + timeout_s
+        for i, group in enumerate(groups):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PeerError(f"PD write of group {i} past its deadline")
+            await self.write(endpoint, alloc_id, layer, group, left)
+            on_written(i)
+
     async def aclose(self) -> None:
         self._conns.close()
 

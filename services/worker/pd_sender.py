@@ -158,6 +158,7 @@ class _Push:
             pieces.append((i, x.obj, slot.addr))
         last_layer = e.layout.num_layers - 1
         commits: list[asyncio.Task[proto.Reply]] = []
+        ended = False
         try:
             while True:
                 layer = await asyncio.wait_for(self.layers.get(), self._left())
@@ -169,15 +170,22 @@ class _Push:
                             self.target.endpoint, reply.alloc_id, layer, pieces, self._left()
                         )
                     continue
-                # Every byte is in place: write the rest in groups, each committed (and
-                # verified by the decoder) while the next group is written.
-                for group in _groups(pieces):
-                    await ch.write(self.target.endpoint, reply.alloc_id, layer, group, self._left())
-                    commits.append(asyncio.create_task(self._commit(reply.alloc_id, group)))
+                # Every byte is in place: write the rest in groups, back to back, each
+                # committed (and verified by the decoder) while the next is written.
+                groups = _groups(pieces)
+
+                def written(i: int, groups: list[Sequence[Piece]] = groups) -> None:
+                    if not ended:  # a write that outlived its push commits nothing
+                        commits.append(asyncio.create_task(self._commit(reply.alloc_id, groups[i])))
+
+                await ch.write_groups(
+                    self.target.endpoint, reply.alloc_id, layer, groups, self._left(), written
+                )
             if not pieces:  # the decoder had every chunk: commit holds them for us
                 commits.append(asyncio.create_task(self._commit(reply.alloc_id, [])))
             done = await asyncio.wait_for(asyncio.gather(*commits), self._left())
         finally:
+            ended = True
             for task in commits:
                 task.cancel()
         self.alloc_id = 0  # committed: nothing left to cancel

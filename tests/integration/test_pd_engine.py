@@ -17,6 +17,7 @@ from kvtest.p2p import CHUNK, kv_cache, prompt, slot_bytes
 
 from kvmesh.common.config import EngineConfig, L1Config, P2PConfig, PDConfig
 from kvmesh.common.protocol import p2p as proto
+from kvmesh.services.worker import pd_sender
 from kvmesh.services.worker.engine import KVEngine
 from kvmesh.services.worker.pd_receiver import hold_id
 from kvmesh.services.worker.pd_sender import PdTarget, push_layers
@@ -108,6 +109,24 @@ def test_pushed_kv_loads_on_the_decoder_bit_for_bit(pair, layerwise: bool) -> No
     assert decoder.lookup(tokens, pin=False) == 0
     # The prefiller cached what it copied out, like any saved prompt.
     assert prefiller.lookup(tokens, pin=False) == N
+
+
+def test_groups_written_back_to_back_each_commit_and_load_bit_for_bit(pair, monkeypatch) -> None:
+    # Groups of one chunk: four writes in one go, four commits, the first three verified
+    # on one thread while later groups are still being written.
+    monkeypatch.setattr(pd_sender, "GROUP_BYTES", 1)
+    prefiller, decoder = pair
+    tokens, slots = prompt(6, N), torch.arange(N)
+    target = PdTarget("t-g", decoder.p2p_endpoint)
+    assert drain(push_layers(prefiller, tokens, slots, None, target, layerwise=False)) == N
+    pushes = 4 if prefiller.pd_sender.channel.name == "zmq" else 0
+    assert metric(decoder, "p2p_server_requests_total", kind="pd") == 1 + pushes + 4
+    assert metric(decoder, "pd_received_chunks_total") == 4
+    assert metric(decoder, "pd_rejected_chunks_total") == 0
+    dst_slots = slots + 5 * 16
+    assert int(decoder.retrieve(tokens, dst_slots).sum()) == N
+    assert slot_bytes(decoder.test_cache, dst_slots) == slot_bytes(prefiller.test_cache, slots)
+    assert decoder.pd_receiver.inflight == 0 and decoder.pd_receiver.pages == 0
 
 
 def test_decoder_without_room_refuses_and_nothing_is_held() -> None:
