@@ -32,6 +32,9 @@ ShapeLike = torch.Size | Sequence[int]
 # Distinct (shape, dtype) pairs are few (one per chunk layout); the bound only guards
 # against a caller that allocates arbitrary shapes.
 _MAX_LAYOUTS = 1024
+# Layouts whose page tensors are kept for reuse (an engine has one or two: full chunks
+# and a short last one).
+_CACHED_VIEW_LAYOUTS = 4
 
 
 class HostMemoryPool:
@@ -99,6 +102,10 @@ class HostMemoryPool:
         # as_strided call (~1 µs) instead of slice + view + view (~4 µs).
         self._typed: dict[torch.dtype, torch.Tensor] = {}
         self._strides: dict[torch.Size, tuple[int, ...]] = {}
+        # A page's tensor, kept for the next object of the same layout on that page
+        # (the engine reuses pages all the time): as_strided still costs ~1 µs. Only
+        # the first few layouts, a slot per page each, so memory stays bounded.
+        self._page_views: dict[tuple[torch.Size, torch.dtype], list[torch.Tensor | None]] = {}
         # Callers reuse one shape object per chunk layout: an identity check on the
         # last one skips hashing the shape. One tuple, so threads read it whole.
         self._last_layout: tuple[object, object, torch.Size, int] = (None, None, torch.Size(), 0)
@@ -282,6 +289,7 @@ class HostMemoryPool:
             self._buffer = None
             self._backing = None
             self._typed = {}
+            self._page_views = {}
             if self._waiters:
                 self._cond.notify_all()
         return leaked
@@ -332,6 +340,11 @@ class HostMemoryPool:
                 return raw.view(dtype).view(shape)
             typed = buf.view(dtype)
             self._typed[dtype] = typed
+        views = self._page_views.get((shape, dtype))
+        if views is not None:
+            t = views[page]
+            if t is not None:
+                return t
         strides = self._strides.get(shape)
         if strides is None:
             strides = _contiguous_strides(shape)
@@ -341,7 +354,12 @@ class HostMemoryPool:
         # as_strided counts its offset from the start of the storage, not of the view:
         # the buffer begins `skip` bytes into its backing allocation.
         offset = typed.storage_offset() + page * self.page_size // dtype.itemsize
-        return typed.as_strided(shape, strides, offset)
+        t = typed.as_strided(shape, strides, offset)
+        if views is None and len(self._page_views) < _CACHED_VIEW_LAYOUTS:
+            views = self._page_views.setdefault((shape, dtype), [None] * self.num_pages)
+        if views is not None:
+            views[page] = t
+        return t
 
     def _lookup_layout(self, shape: ShapeLike, dtype: torch.dtype) -> tuple[torch.Size, int]:
         try:

@@ -86,7 +86,9 @@ class MemoryObj:
         """The page's first `nbytes` as a `dtype` tensor of `shape` (made once, cached).
 
         A view, not a copy: writes land in the pool. Do not keep it past your
-        reference, since after the free the page belongs to someone else.
+        reference, since after the free the page belongs to someone else. The pool
+        hands the same tensor object to the page's next object of the same layout:
+        never change its metadata in place (resize_, as_strided_, squeeze_, ...).
         """
         t = self._tensor
         if t is None:

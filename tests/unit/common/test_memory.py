@@ -98,6 +98,22 @@ def test_tensor_and_raw_are_the_same_bytes_whatever_the_buffer_offset() -> None:
     assert offsets != {0}, "no pool started inside its backing allocation: nothing was tested"
 
 
+def test_a_page_tensor_is_reused_only_for_the_same_layout(pool: HostMemoryPool) -> None:
+    fmt = MemoryFormat.UNDEFINED
+    a = pool.allocate((4, 8), torch.float16, fmt)
+    t, page = a.tensor, a.page
+    a.ref_down()
+    b = pool.allocate((4, 8), torch.float16, fmt)
+    assert b.page == page and b.tensor is t  # the page's view, kept by the pool
+    b.ref_down()
+    for shape, dtype in (((8, 4), torch.float16), ((4, 8), torch.int16), ((3,), torch.int64)):
+        c = pool.allocate(shape, dtype, fmt)
+        assert c.page == page and c.tensor is not t
+        assert c.tensor.shape == shape and c.tensor.dtype == dtype
+        assert c.tensor.data_ptr() == c.data_ptr and c.tensor.is_contiguous()
+        c.ref_down()
+
+
 def test_list_shapes_and_repeat_layouts_work(pool: HostMemoryPool) -> None:
     a = pool.allocate([4, 8], torch.float16, MemoryFormat.UNDEFINED)
     b = pool.allocate((4, 8), torch.float16, MemoryFormat.UNDEFINED)
