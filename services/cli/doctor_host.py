@@ -71,21 +71,15 @@ def check_native() -> list[Check]:
     from kvmesh.gpu_ext import native_copy
 
     rebuild = "reinstall kvmesh where a C compiler (and libxxhash0) is present"
+    helpers = [
+        ("block copier", native_copy.available(), "CPU KV copies use torch (~2x slower)"),
+        ("token hasher", tokendb.native_chain_available(), "keys hashed in Python (2-5x slower)"),
+    ]
     return [
-        Check("native", "ok", "the C block copier is built (CPU KV copies)")
-        if native_copy.available()
-        else Check(
-            "native",
-            "warn",
-            f"the C block copier is not built: CPU KV copies use torch (~2x slower); {rebuild}",
-        ),
-        Check("native", "ok", "the C token hasher is built")
-        if tokendb.native_chain_available()
-        else Check(
-            "native",
-            "warn",
-            f"the C token hasher is not built: keys are hashed in Python (2-5x slower); {rebuild}",
-        ),
+        Check("native", "ok", f"the C {name} is built")
+        if built
+        else Check("native", "warn", f"the C {name} is not built: {cost}; {rebuild}")
+        for name, built, cost in helpers
     ]
 
 
