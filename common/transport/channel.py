@@ -30,9 +30,11 @@ if TYPE_CHECKING:
 # Allocate a local buffer for a chunk the peer described; None when there is no room.
 AllocFn = Callable[[ChunkMeta], MemoryObj | None]
 Landed = tuple[ChunkMeta, MemoryObj]
-# Called off the event loop with each chunk once its bytes have landed, while later
-# chunks of the read may still be in flight: the caller's hashing overlaps the copy.
-LandedFn = Callable[[ChunkMeta, MemoryObj], None]
+# Called off the event loop with (chunk, offset, length) for each byte range of a chunk
+# once it has landed, while later ranges may still be in flight: the caller's hashing
+# overlaps the copy. A chunk's ranges come in order, one after the other, from offset 0
+# to its end, never two of one chunk at once.
+LandedFn = Callable[[ChunkMeta, MemoryObj, int, int], None]
 # A chunk to write to a PD receiver: (its index in the allocation, the local chunk,
 # the address of its receive buffer at the peer).
 Piece = tuple[int, MemoryObj, int]
@@ -65,10 +67,10 @@ class TransferChannel(Protocol):
         left out. Raises PeerError (having freed its buffers) when the peer is dead,
         slow past timeout_s, or answers garbage. Runs on the owner's event loop.
 
-        on_landed, if given, may be called (off the loop) with some or all of the
-        landed chunks before read returns, each once; an exception it raises is
-        logged and ignored. A channel that cannot overlap it with the transfer does
-        not call it."""
+        on_landed, if given, may be called (off the loop) with the byte ranges of some
+        or all of the landed chunks before read returns, each range once; an exception
+        it raises is logged and ignored. A channel that cannot overlap it with the
+        transfer does not call it."""
         ...
 
     async def call(self, endpoint: str, make: Callable[[int], Request], timeout_s: float) -> Reply:

@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvmesh.common.memory import MemoryObj
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import p2p as proto
 from kvmesh.common.transport.channel import AllocFn, Landed, LandedFn, Piece, check_hello
@@ -40,8 +41,9 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 UCX_DEFAULTS = {"UCX_TLS": "shm"}
-# A read with on_landed moves in transfers of at least this many bytes, so that the
-# check of one overlaps the copy of the next; a transfer costs ~5 us to set up.
+# A read with on_landed moves in transfers of about this many bytes (big chunks cut
+# into ranges), so that the check of one overlaps the copy of the next and finds its
+# bytes still in cache; a transfer costs ~5 us to set up.
 PIPELINE_BYTES = 2 << 20
 # UCX transports within one host; the reader or writer itself copies, one-sided.
 _LOCAL_TLS = frozenset({"shm", "sm", "posix", "sysv", "cma", "knem", "xpmem", "self"})
@@ -252,20 +254,21 @@ class NixlChannel:
     def _read_overlapped(
         self, peer: str, landed: list[Landed], on_landed: LandedFn, deadline: float
     ) -> None:
-        """READ landed in groups of about PIPELINE_BYTES; each group goes to on_landed
-        on the check thread as soon as it is DONE (off-loop). Over shared memory a
-        transfer copies within transfer(), so this thread copies group i+1 while the
-        check thread hashes group i, on the other core; over a network every group is
+        """READ landed in groups of about PIPELINE_BYTES (a big chunk is cut into
+        ranges); each group's ranges go to on_landed on the check thread as soon as the
+        group is DONE (off-loop). Over shared memory a transfer copies within
+        transfer(), so this thread copies group i+1 while the check thread hashes group
+        i, on the other core, while it is still in cache; over a network every group is
         in flight at once and each is handed over as it completes."""
-        started: list[tuple[Any, list[Landed]]] = []
-        pending: list[tuple[Any, str, list[Landed]]] = []
+        started: list[Any] = []
+        pending: list[tuple[Any, str, list[_Range]]] = []
         checks: list[concurrent.futures.Future[None]] = []
         try:
-            for group in _groups(landed, PIPELINE_BYTES):
-                local = [(obj.data_ptr, meta.nbytes, 0) for meta, obj in group]
-                remote = [(meta.addr, meta.nbytes, 0) for meta, _ in group]
+            for group in _groups(_ranges(landed, PIPELINE_BYTES), PIPELINE_BYTES):
+                local = [(obj.data_ptr + off, n, 0) for _, obj, off, n in group]
+                remote = [(meta.addr + off, n, 0) for meta, _, off, n in group]
                 handle, state = self._start(peer, local, remote, "READ")
-                started.append((handle, group))
+                started.append(handle)
                 if state == "DONE":
                     checks.append(self._checker.submit(_each, on_landed, group))
                 else:
@@ -279,7 +282,7 @@ class NixlChannel:
             # The checks read the buffers, which the caller frees after an error.
             concurrent.futures.wait(checks)
             stuck: Exception | None = None
-            for handle, _ in started:
+            for handle in started:
                 try:
                     self._release(handle, peer, "READ")
                 except _StuckTransfer as exc:
@@ -356,14 +359,27 @@ def _failure(state: str) -> str:
     return "failed" if state == "ERR" else "timed out"
 
 
-def _groups(landed: list[Landed], min_bytes: int) -> list[list[Landed]]:
-    """landed in order, cut into runs of at least min_bytes (the last may be less)."""
-    groups: list[list[Landed]] = []
-    group: list[Landed] = []
+# (chunk, its buffer, byte offset, length): one piece of a READ.
+_Range = tuple[proto.ChunkMeta, MemoryObj, int, int]
+
+
+def _ranges(landed: list[Landed], most: int) -> list[_Range]:
+    """Each chunk of landed cut into consecutive ranges of at most `most` bytes."""
+    out: list[_Range] = []
+    for meta, obj in landed:
+        for off in range(0, meta.nbytes, most):
+            out.append((meta, obj, off, min(most, meta.nbytes - off)))
+    return out
+
+
+def _groups(ranges: list[_Range], min_bytes: int) -> list[list[_Range]]:
+    """ranges in order, cut into runs of at least min_bytes (the last may be less)."""
+    groups: list[list[_Range]] = []
+    group: list[_Range] = []
     size = 0
-    for item in landed:
+    for item in ranges:
         group.append(item)
-        size += item[0].nbytes
+        size += item[3]
         if size >= min_bytes:
             groups.append(group)
             group, size = [], 0
@@ -372,10 +388,10 @@ def _groups(landed: list[Landed], min_bytes: int) -> list[list[Landed]]:
     return groups
 
 
-def _each(on_landed: LandedFn, group: list[Landed]) -> None:
-    for meta, obj in group:
+def _each(on_landed: LandedFn, group: list[_Range]) -> None:
+    for meta, obj, off, n in group:
         try:
-            on_landed(meta, obj)
+            on_landed(meta, obj, off, n)
         except Exception as exc:  # the caller's bug must not hide the transfer's result
             log.warning("on_landed failed", key=meta.key, error=repr(exc))
 

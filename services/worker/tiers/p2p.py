@@ -24,12 +24,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from kvmesh.common.chunk_codec import (
-    chunk_bytes,
-    chunk_checksums,
-    dtype_from_name,
-    payload_checksum,
-)
+import xxhash
+
+from kvmesh.common.chunk_codec import chunk_bytes, chunk_checksums, dtype_from_name
 from kvmesh.common.config import P2PConfig
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import MemoryFormat, MemoryObj
@@ -198,10 +195,19 @@ class P2PTier:
         and admin copies (services/worker/peer_copy.py) both land chunks through here,
         so no chunk reaches L1 unchecked."""
         digests: dict[int, int] = {}  # id(landed buffer) -> xxh3 of its bytes
+        partial: dict[int, xxhash.xxh3_64] = {}  # id -> the hash of its first ranges
 
-        def on_landed(meta: ChunkMeta, obj: MemoryObj) -> None:
-            # Off the loop, while the channel still moves the next chunks.
-            digests[id(obj)] = payload_checksum(chunk_bytes(obj))
+        def on_landed(meta: ChunkMeta, obj: MemoryObj, off: int, n: int) -> None:
+            # Off the loop, while the channel still moves the next ranges. xxhash's
+            # update drops the GIL on big inputs; the ranges of a chunk come in order.
+            h = partial.pop(id(obj), None) if off else xxhash.xxh3_64()
+            if h is None:
+                return  # a range came out of order: leave the chunk to _verify
+            h.update(chunk_bytes(obj)[off : off + n])
+            if off + n == obj.nbytes:
+                digests[id(obj)] = h.intdigest()
+            else:
+                partial[id(obj)] = h
 
         landed = await self.channel.read(
             endpoint,

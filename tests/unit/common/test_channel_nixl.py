@@ -1,6 +1,6 @@
 """NixlChannel's overlapped read between two real NIXL agents in this process (UCX over
-shared memory): every chunk lands intact and reaches on_landed exactly once, group by
-group; and which UCX transport lists let the channel run without a progress thread."""
+shared memory): every chunk lands intact and each of its byte ranges reaches on_landed
+once, in order; and which UCX transport lists let the channel run without a progress thread."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+import xxhash
 
 from kvmesh.common.chunk_codec import chunk_bytes, payload_checksum
 from kvmesh.common.memory import HostMemoryPool, MemoryFormat, MemoryObj
@@ -29,12 +30,18 @@ def test_progress_thread_is_left_out_only_for_shared_memory_transports() -> None
     assert not local_only("^tcp")  # everything but tcp: still networks
 
 
-def test_groups_cut_by_bytes_in_order() -> None:
-    metas = [ChunkMeta(f"k{i}", n, 0, [n], "uint8", 1) for i, n in enumerate([3, 3, 5, 1, 2])]
+def test_chunks_cut_into_ranges_then_groups_by_bytes_in_order() -> None:
+    metas = [ChunkMeta(f"k{i}", n, 0, [n], "uint8", 1) for i, n in enumerate([3, 7, 1])]
     landed = [(m, object()) for m in metas]
-    groups = channel_nixl._groups(landed, 6)  # type: ignore[arg-type]
-    assert [[m.key for m, _ in g] for g in groups] == [["k0", "k1"], ["k2", "k3"], ["k4"]]
-    assert channel_nixl._groups([], 6) == []
+    ranges = channel_nixl._ranges(landed, 3)  # type: ignore[arg-type]
+    assert [(m.key, off, n) for m, _, off, n in ranges] == [
+        ("k0", 0, 3), ("k1", 0, 3), ("k1", 3, 3), ("k1", 6, 1), ("k2", 0, 1),
+    ]  # fmt: skip
+    groups = channel_nixl._groups(ranges, 4)
+    assert [[(m.key, off) for m, _, off, _ in g] for g in groups] == [
+        [("k0", 0), ("k1", 0)], [("k1", 3), ("k1", 6)], [("k2", 0)],
+    ]  # fmt: skip
+    assert channel_nixl._groups([], 4) == []
 
 
 @pytest.fixture
@@ -55,7 +62,8 @@ def _channel(name: str, pool: HostMemoryPool) -> NixlChannel:
 
 @pytest.mark.skipif(not nixl_available(), reason="nixl_cu13 is not installed")
 def test_overlapped_read_lands_every_chunk_and_checks_each_once(pools, monkeypatch) -> None:
-    monkeypatch.setattr(channel_nixl, "PIPELINE_BYTES", 2 * CHUNK)  # groups of two
+    # Ranges of 3/4 chunk: every chunk is cut in two, and groups straddle chunks.
+    monkeypatch.setattr(channel_nixl, "PIPELINE_BYTES", 3 * CHUNK // 4)
     src_pool, dst_pool = pools
     server, reader = _channel("server", src_pool), _channel("reader", dst_pool)
     try:
@@ -71,19 +79,23 @@ def test_overlapped_read_lands_every_chunk_and_checks_each_once(pools, monkeypat
                        s.data_ptr), d)
             for i, (s, d) in enumerate(zip(src, dst, strict=True))
         ]  # fmt: skip
-        seen: list[tuple[str, int, str]] = []
+        seen: list[tuple[str, int, int, str]] = []
+        hashers: dict[str, xxhash.xxh3_64] = {}
 
-        def on_landed(meta: ChunkMeta, obj: MemoryObj) -> None:
-            seen.append(
-                (meta.key, payload_checksum(chunk_bytes(obj)), threading.current_thread().name)
-            )
+        def on_landed(meta: ChunkMeta, obj: MemoryObj, off: int, n: int) -> None:
+            seen.append((meta.key, off, n, threading.current_thread().name))
+            hashers.setdefault(meta.key, xxhash.xxh3_64()).update(chunk_bytes(obj)[off : off + n])
             if meta.key == "k2":
                 raise RuntimeError("a caller's bug")  # logged; the read goes on
 
         reader._read_overlapped(peer, landed, on_landed, time.monotonic() + 10)
-        assert [k for k, _, _ in seen] == [f"k{i}" for i in range(n)]
-        assert [d for _, d, _ in seen] == [m.checksum for m, _ in landed]
-        assert all(name.startswith("kvmesh-nixl-check") for _, _, name in seen)
+        cut = 3 * CHUNK // 4
+        halves = ((0, cut), (cut, CHUNK - cut))
+        want = [(f"k{i}", off, size) for i in range(n) for off, size in halves]
+        assert [(k, off, size) for k, off, size, _ in seen] == want
+        assert all(name.startswith("kvmesh-nixl-check") for *_, name in seen)
+        # Hashed range by range, as they landed: each chunk's own checksum.
+        assert [hashers[m.key].intdigest() for m, _ in landed] == [m.checksum for m, _ in landed]
         assert all(torch.equal(s.raw, d.raw) for s, d in zip(src, dst, strict=True))
         for obj in (*src, *dst):
             obj.ref_down()
