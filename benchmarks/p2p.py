@@ -8,8 +8,9 @@ this process an engine with the P2P tier then, for chunks of 2 MiB and 32 MiB, t
 in the same run, interleaved:
 
 - **p2p tier**: `storage.get_prefix(keys)` with L1 empty: what a retrieve pays for a
-  prefix held by a peer: the batched pin request, one NIXL READ of every chunk into
-  fresh L1 pages, the xxh3 check of each landed chunk, promotion to L1, the release;
+  prefix held by a peer: the batched pin request, NIXL READs of every chunk into
+  fresh L1 pages (~2 MiB ranges, each hashed as it lands), the xxh3 check of each
+  chunk, promotion to L1, the release;
 - **bare NIXL**: one READ of the same peer buffers into preallocated pages of the same
   pool with the same agent (already connected): the limit of the data path.
 

@@ -7,7 +7,7 @@ P2P tier), so a channel never decides what is valid KV.
 
 - `ZmqChannel` (channel_zmq.py): the peer sends the bytes as ZMQ frames over TCP.
 - `NixlChannel` (channel_nixl.py): the peer pins the chunks and tells their addresses;
-  the reader pulls them with one NIXL READ (UCX; DRAM to DRAM here).
+  the reader pulls them with NIXL READs (UCX; DRAM to DRAM here).
 
 Disaggregated prefill goes the other way: a prefiller `write`s chunk layers into
 buffers a decoder allocated for it (a NIXL WRITE, or PushChunks frames over ZMQ).

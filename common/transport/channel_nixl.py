@@ -3,14 +3,16 @@
 Each engine has one NIXL agent with its L1 pool registered once; it serves peers
 (they read from the pool) and reads from them (into the pool). A read is: `Hello`
 once per peer (its agent metadata → `add_remote_agent`), `PinChunks` (the peer holds
-a reference on each chunk and says where it is), one READ transfer of every chunk,
-then `ReleaseChunks`. Metadata travels over the peer's ZMQ endpoint: NIXL opens no
+a reference on each chunk and says where it is), READ transfers of every chunk (one
+for all, or ~2 MiB ranges back to back when the reader hashes as they land), then
+`ReleaseChunks`. Metadata travels over the peer's ZMQ endpoint: NIXL opens no
 listener of its own.
 
 UCX settings (see RECIPES): `UCX_TLS=shm` and `ucx_error_handling_mode=none` make
 same-host DRAM reads run at memcpy speed; the environment is read when the agent is
 created, so it is set (unless the user set it) before that. Across hosts set
-`UCX_TLS` yourself (e.g. `tcp` or `rc`).
+`UCX_TLS` yourself (e.g. `tcp` or `rc`). Over shared memory alone the agent has no
+progress thread (see `_new_agent`).
 
 NIXL calls are blocking: they run on one thread of the channel's own, never on the
 event loop, and every wait has a deadline. A peer that answers `Hello` without an

@@ -105,3 +105,18 @@ def test_overlapped_read_lands_every_chunk_and_checks_each_once(pools, monkeypat
         server._pool.shutdown()
         server._checker.shutdown()
         reader.agent = server.agent = None
+
+
+@pytest.mark.skipif(not nixl_available(), reason="nixl_cu13 is not installed")
+def test_an_idle_agent_over_shared_memory_leaves_the_cpu_alone(pools, monkeypatch) -> None:
+    # NIXL's own progress thread polls without pause: ~80 % of a core per process, idle.
+    monkeypatch.setenv("UCX_TLS", "shm")
+    channel = _channel("idle", pools[0])
+    try:
+        t0 = time.process_time()
+        time.sleep(0.5)
+        assert time.process_time() - t0 < 0.1
+    finally:
+        channel._pool.shutdown()
+        channel._checker.shutdown()
+        channel.agent = None
