@@ -112,39 +112,45 @@ class KVCopier:
         slot_mapping: torch.Tensor,
         spans: Sequence[tuple[int, int]],
         outs: Sequence[torch.Tensor],
+        layer: int | None = None,
     ) -> None:
         """One :meth:`gather` per ``(spans[i], outs[i])`` — ``out`` receives
-        ``slot_mapping[start:end]`` — for a request's chunks at once. If chunk ``i``
-        fails, those before it are complete and its exception carries
+        ``slot_mapping[start:end]``, all layers or with ``layer`` that one (into a whole
+        chunk or that layer's own buffer) — for a request's chunks at once. If chunk
+        ``i`` fails, those before it are complete and its exception carries
         ``chunks_done = i``."""
         if self._triton is None:
-            torch_ops.copy_chunks(self.views, slot_mapping, spans, outs, to_cache=False)
+            torch_ops.copy_chunks(
+                self.views, slot_mapping, spans, outs, to_cache=False, layer=layer
+            )
         else:
-            _each(self.gather, slot_mapping, spans, outs)
+            _each(self.gather, slot_mapping, spans, outs, layer)
 
     def scatter_chunks(
         self,
         slot_mapping: torch.Tensor,
         spans: Sequence[tuple[int, int]],
         srcs: Sequence[torch.Tensor],
+        layer: int | None = None,
     ) -> None:
         """The mirror of :meth:`gather_chunks`."""
         if self._triton is None:
-            torch_ops.copy_chunks(self.views, slot_mapping, spans, srcs, to_cache=True)
+            torch_ops.copy_chunks(self.views, slot_mapping, spans, srcs, to_cache=True, layer=layer)
         else:
-            _each(self.scatter, slot_mapping, spans, srcs)
+            _each(self.scatter, slot_mapping, spans, srcs, layer)
 
 
 def _each(
-    one: Callable[[torch.Tensor, torch.Tensor], None],
+    one: Callable[..., None],
     slot_mapping: torch.Tensor,
     spans: Sequence[tuple[int, int]],
     chunks: Sequence[torch.Tensor],
+    layer: int | None,
 ) -> None:
     finished = 0
     try:
         for (start, end), chunk in zip(spans, chunks, strict=True):
-            one(slot_mapping[start:end], chunk)
+            one(slot_mapping[start:end], chunk, layer)
             finished += 1
     except Exception as exc:
         exc.chunks_done = finished  # type: ignore[attr-defined]

@@ -140,8 +140,9 @@ class PagedKVViews:
     layer_ptrs: torch.Tensor  # int64 data_ptr() of each canonical layer (native copies)
     # native_copy's per-buffer-geometry argument tuples, built on first use.
     native_plans: dict = field(default_factory=dict, compare=False, repr=False)
-    # (shape, stride, dtype, device) of chunk buffers already validated (copy_chunks).
-    checked_buffers: set = field(default_factory=set, compare=False, repr=False)
+    # (shape, stride, dtype, device, layer) of chunk buffers already validated
+    # (copy_chunks) → whether each is one layer's own buffer.
+    checked_buffers: dict = field(default_factory=dict, compare=False, repr=False)
 
     def row_index(self, slot_mapping: torch.Tensor) -> torch.Tensor:
         """Row indices ``[kv, tokens * rows_per_token]``, ordered as the chunk stores them.

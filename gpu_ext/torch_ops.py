@@ -223,10 +223,11 @@ def copy_chunks(
     chunks: Sequence[torch.Tensor],
     *,
     to_cache: bool,
+    layer: int | None = None,
 ) -> None:
     """Many whole-chunk gathers (or scatters, ``to_cache``) in one call: chunk ``i``'s
     tokens ``[0, end - start)`` pair with ``slot_mapping[start:end]`` for ``(start, end)
-    = spans[i]``.
+    = spans[i]``; with ``layer``, only that layer of each (whole-chunk) buffer moves.
 
     The same as one gather_to_chunk/scatter_from_chunk per chunk, in order, minus their
     per-call cost: the slot mapping is converted once, and a buffer geometry checked
@@ -242,7 +243,7 @@ def copy_chunks(
             slot_mapping = slot_mapping.to(dtype=torch.int64, device="cpu").contiguous()
     checked = views.checked_buffers
     mla = views.layout.kind is KVKind.MLA
-    every_layer = range(views.layout.num_layers)
+    moved = range(views.layout.num_layers) if layer is None else range(layer, layer + 1)
     total = slot_mapping.numel()
     base = slot_mapping.data_ptr() if native else 0
     finished = 0
@@ -253,20 +254,25 @@ def copy_chunks(
             # Out-of-range spans behave as slicing does (an empty or shorter mapping):
             # the checked call below sees them.
             if native and 0 <= start <= end <= total:
-                geometry = (chunk.shape, chunk.stride(), chunk.dtype, chunk.device)
-                if geometry not in checked or n > chunk.shape[-2]:
-                    check_call(
-                        views, slot_mapping[start:end], chunk, None, 0, None, check_slots=False
+                geometry = (chunk.shape, chunk.stride(), chunk.dtype, chunk.device, layer)
+                layer_buffer = checked.get(geometry)
+                if layer_buffer is None or n > chunk.shape[-2]:
+                    call = check_call(
+                        views, slot_mapping[start:end], chunk, layer, 0, None, check_slots=False
                     )
-                    checked.add(geometry)
+                    layer_buffer = checked[geometry] = call.layer_buffer
                 buf = chunk.unsqueeze(0) if mla else chunk
+                if layer_buffer:  # one layer's own buffer
+                    buf = buf.unsqueeze(1)
+                elif layer is not None:
+                    buf = buf[:, layer : layer + 1]
                 done = native_copy.copy_slots_at(
-                    views, base + 8 * start, n, buf, every_layer, 0, to_cache
+                    views, base + 8 * start, n, buf, moved, 0, to_cache
                 )
             if done is None:
-                one(views, slot_mapping[start:end], chunk)
+                one(views, slot_mapping[start:end], chunk, layer)
             elif done < n:
-                one(views, slot_mapping[start + done : end], chunk, start=done, end=n)
+                one(views, slot_mapping[start + done : end], chunk, layer, start=done, end=n)
             finished += 1
     except Exception as exc:
         exc.chunks_done = finished  # type: ignore[attr-defined]

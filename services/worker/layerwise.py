@@ -51,9 +51,11 @@ def store_layers(
     committed = False
     try:
         num_layers = engine.layout.num_layers
+        spans = [(start, end) for start, end, _, _ in pending]
+        outs = [obj.tensor for *_, obj in pending]
         for layer in range(num_layers):
-            for start, end, _key, obj in pending:
-                engine.copier.gather(slot_mapping[start:end], obj.tensor, layer=layer)
+            if pending:  # one copier call a layer for every chunk
+                engine.copier.gather_chunks(slot_mapping, spans, outs, layer)
             if layer < num_layers - 1:
                 yield layer
         stored = 0
@@ -96,9 +98,11 @@ def retrieve_layers(
         loaded[start:end] = True
     try:
         num_layers = engine.layout.num_layers
+        spans = [(start, end) for start, end, _, _ in usable]
+        srcs = [obj.tensor for _, _, obj, _ in usable]
         for layer in range(num_layers):
-            for start, end, obj, _src in usable:
-                engine.copier.scatter(slot_mapping[start:end], obj.tensor, layer=layer)
+            if usable:
+                engine.copier.scatter_chunks(slot_mapping, spans, srcs, layer)
             if layer < num_layers - 1:
                 yield loaded
         for start, end, _obj, source in usable:

@@ -282,20 +282,19 @@ def push_layers(
     committed = False
     try:
         num_layers = engine.layout.num_layers
+        fresh = [x for x in entries if x.fresh]
+        spans = [(x.start, x.end) for x in fresh]
+        outs = [x.obj.tensor for x in fresh]
         if layerwise:
             for layer in range(num_layers):
-                for x in entries:
-                    if x.fresh:
-                        engine.copier.gather(
-                            slot_mapping[x.start : x.end], x.obj.tensor, layer=layer
-                        )
+                if fresh:  # one copier call a layer for every chunk
+                    engine.copier.gather_chunks(slot_mapping, spans, outs, layer)
                 loop.loop.call_soon_threadsafe(push.layers.put_nowait, layer)
                 if layer < num_layers - 1:
                     yield layer
         else:
-            for x in entries:
-                if x.fresh:
-                    engine.copier.gather(slot_mapping[x.start : x.end], x.obj.tensor)
+            if fresh:
+                engine.copier.gather_chunks(slot_mapping, spans, outs)
             loop.loop.call_soon_threadsafe(push.layers.put_nowait, WHOLE)
         loop.loop.call_soon_threadsafe(push.layers.put_nowait, None)
         try:

@@ -517,3 +517,48 @@ def test_chunk_batch_failure_says_how_many_chunks_are_done(native: bool, bad: st
     for (s, e), out in zip(spans[:2], outs[:2], strict=True):
         assert torch.equal(bits(out), bits(as_chunk(source[:, slots[s:e]], kind)))
     assert not outs[3].any()
+
+
+@pytest.mark.parametrize("buffers", ["whole-chunk", "layer-buffer"])
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch-only"])
+@pytest.mark.parametrize("spec", ["cpu", "BHLNC-cross", "split", "mla"])
+def test_chunk_batches_one_layer_at_a_time(spec: str, native: bool, buffers: str) -> None:
+    engine_view, layers, kind = make_cache(spec, torch.float16, random=True, head_dim=32)
+    copier = make_copier(engine_view, backend="torch")
+    lay = copier.layout
+    slots = torch.cat(
+        [whole_block_slots(torch.randperm(B - 1)[:3], 0), torch.tensor([N * 6 + 1, N * 6 + 2])]
+    )
+    spans = [(0, N), (N, 2 * N + 1), (2 * N + 1, len(slots))]
+    target = torch.randperm(NUM_SLOTS)[: len(slots)]
+    torch.manual_seed(3)
+    fresh_view, fresh_layers, _ = make_cache(spec, torch.float16, random=True, head_dim=32)
+    fresh = make_copier(fresh_view, backend="torch")
+    before = slot_tokens(fresh_layers, kind).clone()
+    source = slot_tokens(layers, kind)
+    with pytest.MonkeyPatch.context() as mp:
+        if not native:
+            mp.setattr(native_copy, "_block_copy", None)
+        for layer in range(L):
+            if buffers == "whole-chunk":
+                outs = [torch.zeros(lay.chunk_shape(e - s), dtype=torch.float16) for s, e in spans]
+            else:
+                outs = [
+                    torch.zeros(lay.layer_chunk_shape(e - s), dtype=torch.float16) for s, e in spans
+                ]
+            copier.gather_chunks(slots, spans, outs, layer=layer)
+            for (s, e), out in zip(spans, outs, strict=True):
+                want = as_chunk(source[layer : layer + 1, slots[s:e]], kind)
+                got = out[..., layer : layer + 1, :, :] if buffers == "whole-chunk" else out
+                if buffers == "layer-buffer":
+                    want = want.squeeze(-3)
+                assert torch.equal(bits(got), bits(want))
+                if buffers == "whole-chunk":  # other layers untouched
+                    rest = torch.cat([out[..., :layer, :, :], out[..., layer + 1 :, :, :]], -3)
+                    assert not rest.any()
+            fresh.scatter_chunks(target, spans, outs, layer=layer)
+    written = slot_tokens(fresh_layers, kind)
+    assert torch.equal(bits(written[:, target]), bits(source[:, slots]))
+    untouched = torch.ones(NUM_SLOTS, dtype=torch.bool)
+    untouched[target] = False
+    assert torch.equal(bits(written[:, untouched]), bits(before[:, untouched]))
