@@ -25,8 +25,7 @@ command -v unzip >/dev/null 2>&1 || need_apt+=(unzip)
 # The C helpers (gpu_ext/csrc/, common/csrc/) are compiled when kvmesh is installed;
 # the token hashes link libxxhash0, which apt itself depends on.
 command -v gcc >/dev/null 2>&1 || need_apt+=(gcc libc6-dev)
-[ -e /usr/lib/x86_64-linux-gnu/libxxhash.so.0 ] || [ -e /usr/lib/aarch64-linux-gnu/libxxhash.so.0 ] \
-  || need_apt+=(libxxhash0)
+ldconfig -p 2>/dev/null | grep 'libxxhash\.so\.0 ' >/dev/null || need_apt+=(libxxhash0)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" -eq 0 ]; then
     log "apt-get install ${need_apt[*]}"

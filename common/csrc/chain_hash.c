@@ -84,11 +84,6 @@ static inline int token_of(PyObject *item, uint32_t *out)
     return -1;
 }
 
-static int chunk_count(Py_ssize_t n_tokens, Py_ssize_t chunk_size, int unfull)
-{
-    return (int)(n_tokens / chunk_size + (unfull && n_tokens % chunk_size ? 1 : 0));
-}
-
 /* Encodes `count` tokens from `first` on as little-endian uint32 at dst: 0, or -1 with an
  * exception set, or NOT_EXACT. */
 typedef int (*fill_fn)(void *src, Py_ssize_t first, Py_ssize_t count, unsigned char *dst);
@@ -107,7 +102,7 @@ static PyObject *chain(fill_fn fill, void *src, Py_ssize_t n_tokens, Py_ssize_t 
         PyErr_SetString(PyExc_ValueError, "seed must be 16 bytes");
         return NULL;
     }
-    Py_ssize_t n_chunks = chunk_count(n_tokens, chunk_size, unfull);
+    Py_ssize_t n_chunks = n_tokens / chunk_size + (unfull && n_tokens % chunk_size ? 1 : 0);
     unsigned char *buf = PyMem_Malloc(DIGEST + 4 * (size_t)chunk_size);
     if (buf == NULL)
         return PyErr_NoMemory();
