@@ -163,15 +163,18 @@ def payload_checksum(data: memoryview | bytes) -> int:
 _PARALLEL_HASH_BYTES = 16 << 20
 
 
-async def chunk_checksums(objs: Sequence[MemoryObj]) -> list[int]:
-    """The xxh3-64 of each chunk, off the event loop: in one batch per core, side by
-    side (the native hash drops the GIL), so verifying a transfer costs about its bytes
-    over the cores rather than over one; small transfers stay in one batch, where a
-    thread hop costs more than it saves."""
+async def chunk_checksums(objs: Sequence[MemoryObj], max_threads: int = 0) -> list[int]:
+    """The xxh3-64 of each chunk, off the event loop: in one batch per core (or per
+    `max_threads`, when given), side by side (the native hash drops the GIL), so
+    verifying a transfer costs about its bytes over the cores rather than over one;
+    small transfers stay in one batch, where a thread hop costs more than it saves."""
     if not objs:
         return []
     total = sum(o.nbytes for o in objs)
-    batches = max(1, min(os.cpu_count() or 1, len(objs), total // _PARALLEL_HASH_BYTES))
+    threads = os.cpu_count() or 1
+    if max_threads > 0:
+        threads = min(threads, max_threads)
+    batches = max(1, min(threads, len(objs), total // _PARALLEL_HASH_BYTES))
     size = -(-len(objs) // batches)
     parts = [objs[i : i + size] for i in range(0, len(objs), size)]
 

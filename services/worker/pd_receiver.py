@@ -20,7 +20,6 @@ Everything here runs on the engine's event loop (the P2P server calls it).
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 from collections.abc import Sequence
@@ -29,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvmesh.common.chunk_codec import chunk_bytes, chunk_checksums, dtype_name, payload_checksum
+from kvmesh.common.chunk_codec import chunk_checksums, dtype_name
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import MemoryFormat, MemoryObj
 from kvmesh.common.observability import get_logger
@@ -215,13 +214,10 @@ class PdReceiver:
         if not inbound.pending:
             del self._inbound[msg.alloc_id]
         todo = [(i, inbound.objs[i], s) for i, s in zip(indices, msg.checksums, strict=True)]
-        objs = [o for _, o, _ in todo if o is not None]
-        if inbound.pending:
-            # The sender is still writing the next group, a copy that keeps one core
-            # busy: hash on one thread, beside it, rather than on every core.
-            sums = await asyncio.to_thread(_hash_each, objs)
-        else:
-            sums = await chunk_checksums(objs)
+        # While the sender is still writing the next group (a copy that keeps one core
+        # busy), hash on one thread beside it rather than on every core.
+        objs: list[MemoryObj] = [o for _, o, _ in todo]  # type: ignore[misc]
+        sums = await chunk_checksums(objs, max_threads=1 if inbound.pending else 0)
         l1 = self.engine.storage.l1
         events = self.engine.events
         committed = rejected = 0
@@ -350,10 +346,6 @@ class PdReceiver:
         self._inflight.set(len(self._inbound))
         self._inflight_pages.set(self._pages)
         self._holding.set(len(self._held))
-
-
-def _hash_each(objs: Sequence[MemoryObj]) -> list[int]:
-    return [payload_checksum(chunk_bytes(o)) for o in objs]
 
 
 def _parse_keys(raw: list[str]) -> list[ChunkKey]:
