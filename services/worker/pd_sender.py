@@ -7,7 +7,8 @@ into the buffers the decoder allocated (one NIXL WRITE per layer, or a `PushChun
 message over ZMQ). So layer i travels while the model computes layer i+1. The
 allocation request goes out before layer 0 is copied. The last layer (or, without
 layerwise, the whole chunks) is written in groups, and each group is committed (each
-chunk's xxh3, which the decoder verifies) while the next group is written.
+chunk's xxh3, which the decoder verifies) while the next group is written; the sender
+hashes the groups, in order, while they are being written.
 
 The worker waits for the commit, with the deadline `pd.timeout_s`, before vLLM
 finishes the prefill step, so when the prefill's HTTP answer reaches the bridge the KV
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import os
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
@@ -158,6 +160,7 @@ class _Push:
             pieces.append((i, x.obj, slot.addr))
         last_layer = e.layout.num_layers - 1
         commits: list[asyncio.Task[proto.Reply]] = []
+        hashing: asyncio.Task[None] | None = None
         ended = False
         try:
             while True:
@@ -171,12 +174,22 @@ class _Push:
                         )
                     continue
                 # Every byte is in place: write the rest in groups, back to back, each
-                # committed (and verified by the decoder) while the next is written.
+                # committed (and verified by the decoder) while the next is written. The
+                # chunks are hashed meanwhile, group by group, so a group's checksums are
+                # ready when its write ends instead of being computed after it.
                 groups = _groups(pieces)
+                sums = [asyncio.get_running_loop().create_future() for _ in groups]
+                hashing = asyncio.create_task(_hash_groups(groups, sums))
 
-                def written(i: int, groups: list[Sequence[Piece]] = groups) -> None:
+                def written(
+                    i: int,
+                    groups: list[Sequence[Piece]] = groups,
+                    sums: list[asyncio.Future[None]] = sums,
+                ) -> None:
                     if not ended:  # a write that outlived its push commits nothing
-                        commits.append(asyncio.create_task(self._commit(reply.alloc_id, groups[i])))
+                        commits.append(
+                            asyncio.create_task(self._commit(reply.alloc_id, groups[i], sums[i]))
+                        )
 
                 await ch.write_groups(
                     self.target.endpoint, reply.alloc_id, layer, groups, self._left(), written
@@ -188,6 +201,8 @@ class _Push:
             ended = True
             for task in commits:
                 task.cancel()
+            if hashing is not None:
+                hashing.cancel()
         self.alloc_id = 0  # committed: nothing left to cancel
         self.sent_bytes = sum(obj.nbytes for _, obj, _ in pieces)
         rejected = 0
@@ -199,12 +214,13 @@ class _Push:
             raise PeerError(f"decoder rejected {rejected} chunks (checksum)")
         return self.entries[-1].end
 
-    async def _commit(self, alloc_id: int, group: Sequence[Piece]) -> proto.Reply:
-        """Hash the group's chunks (once: the sum stays on the chunk) and commit them."""
-        unsummed = [obj for _, obj, _ in group if obj.checksum is None]
-        if unsummed:
-            for obj, s in zip(unsummed, await chunk_checksums(unsummed), strict=True):
-                obj.checksum = s
+    async def _commit(
+        self, alloc_id: int, group: Sequence[Piece], hashed: asyncio.Future[None] | None = None
+    ) -> proto.Reply:
+        """Commit the group's chunks with their checksums, once hashed says they are on
+        the chunks."""
+        if hashed is not None:
+            await hashed
         return await self.sender.channel.call(
             self.target.endpoint,
             lambda rid: proto.CommitChunks(
@@ -229,6 +245,30 @@ class _Push:
             )
         except PeerError as exc:  # it frees the buffers at its deadline anyway
             log.debug("PD cancel not delivered", error=str(exc))
+
+
+async def _hash_groups(groups: Sequence[Sequence[Piece]], sums: list[asyncio.Future[None]]) -> None:
+    """Put each chunk's xxh3 on it (once: a chunk that has one keeps it), group by
+    group in write order, resolving sums[i] when group i is done. It leaves a core to
+    the copy that runs meanwhile."""
+    threads = max(1, (os.cpu_count() or 1) - 1)
+    try:
+        for group, done in zip(groups, sums, strict=True):
+            unsummed = [obj for _, obj, _ in group if obj.checksum is None]
+            if unsummed:
+                digests = await chunk_checksums(unsummed, max_threads=threads)
+                for obj, digest in zip(unsummed, digests, strict=True):
+                    obj.checksum = digest
+            if not done.done():
+                done.set_result(None)
+    except asyncio.CancelledError:
+        for done in sums:
+            done.cancel()
+        raise
+    except Exception as exc:  # the commits waiting on it fail the push: a recompute
+        for done in sums:
+            if not done.done():
+                done.set_exception(PeerError(f"hashing the chunks failed: {exc!r}"))
 
 
 def _groups(pieces: Sequence[Piece]) -> list[Sequence[Piece]]:
