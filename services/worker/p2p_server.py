@@ -9,8 +9,8 @@ behalf (and the peer can read the shared remote tier itself).
 - `PinChunks` (NIXL channel): the server takes a reference on each chunk (no eviction,
   no reuse of its page) under a lease, and answers with addresses in the pool the
   channel's agent registered. `ReleaseChunks` or the lease time drops them.
-- Each chunk's xxh3 is computed once (off the loop) and kept in `MemoryObj.checksum`:
-  L1 chunks never change after they are inserted.
+- Each chunk's xxh3 is computed once (off the loop, on every core) and kept in
+  `MemoryObj.checksum`: L1 chunks never change after they are inserted.
 
 Anything malformed gets an ErrorReply; nothing a client sends stops the server.
 """
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 import zmq.asyncio
 
-from kvmesh.common.chunk_codec import chunk_bytes, dtype_name, payload_checksum
+from kvmesh.common.chunk_codec import chunk_checksums, dtype_name
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import MemoryObj
 from kvmesh.common.observability import get_logger
@@ -220,8 +220,8 @@ class P2PServer:
         held = [(key, obj) for key in parsed if (obj := l1.get(key)) is not None]
         unsummed = [obj for _, obj in held if obj.checksum is None]
         if unsummed:
-            # xxh3 of a big chunk takes milliseconds: not on the loop.
-            sums = await asyncio.to_thread(lambda: [_checksum(o) for o in unsummed])
+            # Off the loop, and on every core: the reader waits for this reply.
+            sums = await chunk_checksums(unsummed)
             for obj, s in zip(unsummed, sums, strict=True):
                 obj.checksum = s
         if deadline and time.time() > deadline:
@@ -293,10 +293,6 @@ class P2PServer:
 
 class _BadKey(ValueError):
     pass
-
-
-def _checksum(obj: MemoryObj) -> int:
-    return payload_checksum(chunk_bytes(obj))
 
 
 def _meta(key: ChunkKey, obj: MemoryObj, addr: int = 0) -> proto.ChunkMeta:

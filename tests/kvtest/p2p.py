@@ -157,13 +157,13 @@ class Node:
 def corrupt_l1(engine: KVEngine) -> int:
     """Flip one byte of each chunk in L1 after its checksum is known: what a bad DIMM or
     a stray write would do. A peer keeps serving the old checksum. Returns how many."""
-    from kvmesh.services.worker.p2p_server import _checksum
+    from kvmesh.common.chunk_codec import chunk_bytes, payload_checksum
 
     held = engine.storage.l1.keys()
     for key in held:
         obj = engine.storage.l1.get(key)
         if obj.checksum is None:
-            obj.checksum = _checksum(obj)
+            obj.checksum = payload_checksum(chunk_bytes(obj))
         obj.raw[7] ^= 0xFF
         obj.ref_down()
     return len(held)
