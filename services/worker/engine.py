@@ -363,9 +363,15 @@ class KVEngine:
         held = self.storage.l1.held([key for _, _, key in chunks])
         todo = [chunk for chunk, h in zip(chunks, held, strict=True) if not h]
         objs = self._allocate_free(todo)
+        if objs is None and self.storage.l1.make_room(
+            len(todo), [key for (_, _, key), h in zip(chunks, held, strict=True) if h]
+        ):
+            # A full L1 (the steady state) evicts for the whole run at once.
+            objs = self._allocate_free(todo)
         if objs is None:
-            # L1 must evict (or wait) for room: one chunk at a time, each inserted
-            # before the next is allocated so that it, too, can be evicted.
+            # Too little can be evicted now (pages in use, or a prompt larger than L1):
+            # one chunk at a time, each inserted before the next is allocated so that
+            # it, too, can be evicted, waiting for pages as needed.
             stored = self._store_each(chunks, slot_mapping)
         else:
             stored = self._store_run(chunks, held, objs, slot_mapping)

@@ -89,6 +89,25 @@ class HostTier:
         pages outside the map would keep eviction from freeing them."""
         return self.pool.allocate_batch(n, shape, dtype, fmt)
 
+    def make_room(self, n: int, keep: Sequence[ChunkKey] = ()) -> bool:
+        """Evict, in one pass, what it takes to have n free pages; whether there are.
+
+        keep (chunks the caller is about to touch) are accessed first, in order, so the
+        policy never picks them. It does not wait: pages whose chunks are still in use
+        elsewhere come back later, and a caller that gets False allocates one object
+        at a time with `allocate`, which waits for them.
+        """
+        deficit = n - self.pool.free_pages
+        if deficit <= 0:
+            return True
+        if keep:
+            with self._lock:
+                for key in keep:
+                    if key in self._objs:
+                        self._policy.on_access(key)
+        self._evict(deficit)
+        return self.pool.free_pages >= n
+
     def _evict(self, n: int) -> int:
         with self._lock:
             victims = self._policy.victims(n, lambda k: self._objs[k].can_evict)

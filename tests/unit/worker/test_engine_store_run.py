@@ -100,6 +100,61 @@ def test_l1_that_must_evict_stores_one_chunk_at_a_time(cache) -> None:
         eng.close()
 
 
+def test_full_l1_evicts_for_the_whole_run_at_once_and_keeps_the_prompts_own_chunks(
+    cache,
+) -> None:
+    view, layers, kind = cache
+    eng = KVEngine("t", 0, config(l1_chunks=4), view)
+    try:
+        prefix, other = tokens(16), tokens(16, seed=1)
+        prompt = prefix + tokens(16, seed=2)
+        keys = [k for _, _, k in eng.chunks(prompt)]
+        other_keys = [k for _, _, k in eng.chunks(other)]
+        assert eng.store(prefix, torch.randperm(SLOTS)[:16]) == 16
+        assert eng.store(other, torch.randperm(SLOTS)[:16]) == 16
+        assert eng.pool.free_pages == 0
+        events(eng)
+        # The prompt's first two chunks are the least recently used in L1; the steady
+        # state (a full L1) must still evict the other request for the new chunks.
+        slots = torch.randperm(SLOTS)[:32]
+        assert eng.store(prompt, slots) == 16
+        stored, removed = KVEventKind.STORED, KVEventKind.REMOVED
+        # Both victims go first, in one pass, then both chunks in one run.
+        assert events(eng) == [
+            (removed, other_keys[0].to_str()),
+            (removed, other_keys[1].to_str()),
+            (stored, keys[2].to_str()),
+            (stored, keys[3].to_str()),
+        ]
+        assert list(eng.storage.l1._policy) == keys
+        assert eng.stats.evictions["l1"]._value.get() == 2
+        want = slot_tokens(layers, kind)[:, slots[16:]].clone()
+        dst = torch.randperm(SLOTS)[:32]
+        assert bool(eng.retrieve(prompt, dst)[16:].all())
+        assert torch.equal(bits(slot_tokens(layers, kind)[:, dst[16:]]), bits(want))
+    finally:
+        eng.close()
+
+
+def test_make_room_never_evicts_what_is_in_use_and_never_waits(cache) -> None:
+    view, _, _ = cache
+    eng = KVEngine("t", 0, config(l1_chunks=2), view)
+    try:
+        l1 = eng.storage.l1
+        assert eng.store(tokens(16), torch.randperm(SLOTS)[:16]) == 16
+        first, second = l1.keys()
+        assert l1.make_room(0) and l1.make_room(-1)
+        assert l1.pin(first) and l1.pin(second)
+        assert not l1.make_room(1)  # both pinned: nothing to evict, and no waiting
+        assert set(l1.keys()) == {first, second}
+        assert l1.unpin(second)
+        assert l1.make_room(1) and l1.keys() == [first]
+        # Asking for more than can ever be freed evicts what it can and says no.
+        assert not l1.make_room(3) and l1.keys() == [first]
+    finally:
+        eng.close()
+
+
 def test_short_last_chunk_is_stored_and_loaded_with_the_full_ones(cache) -> None:
     view, layers, kind = cache
     eng = KVEngine("t", 0, config(save_unfull_chunk=True), view)
