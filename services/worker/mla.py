@@ -14,6 +14,10 @@ if TYPE_CHECKING:
     from kvmesh.services.worker.engine import KVEngine
 
 
+# Chunk bytes in flight at once per retrieve (at least one chunk).
+WINDOW_BYTES = 256 << 20
+
+
 class MLABroadcast:
     """Retrieve for an MLA model across the ranks of one process group."""
 
@@ -43,19 +47,39 @@ class MLABroadcast:
                 obj.ref_down()
         count = torch.tensor([len(objs)], dtype=torch.int64)
         dist.broadcast(count, src=self._src, group=self._group)
+        n = int(count.item())
         try:
-            for i in range(int(count.item())):
-                start, end, _ = chunks[i]
+            first = 0
+            while first < n:
+                # A window of chunks at a time: their broadcasts all in flight, then one
+                # copier call for the window. Other ranks hold one window of buffers,
+                # not the whole prompt's KV.
+                last, size = first, 0
+                while last < n and (last == first or size < WINDOW_BYTES):
+                    start, end, _ = chunks[last]
+                    size += engine.layout.chunk_nbytes(end - start)
+                    last += 1
+                spans = [(start, end) for start, end, _ in chunks[first:last]]
                 if self._rank == 0:
-                    buf = objs[i].tensor
+                    bufs = [obj.tensor for obj in objs[first:last]]
                 else:
-                    buf = torch.empty(
-                        engine.layout.chunk_shape(end - start), dtype=engine.layout.dtype
-                    )
-                dist.broadcast(buf, src=self._src, group=self._group)
-                engine.copier.scatter(slot_mapping[start:end], buf)
-                loaded[start:end] = True
-                engine.stats.record_hit("l1", end - start)
+                    bufs = [
+                        torch.empty(
+                            engine.layout.chunk_shape(end - start), dtype=engine.layout.dtype
+                        )
+                        for start, end in spans
+                    ]
+                works = [
+                    dist.broadcast(buf, src=self._src, group=self._group, async_op=True)
+                    for buf in bufs
+                ]
+                for work in works:
+                    work.wait()
+                engine.copier.scatter_chunks(slot_mapping, spans, bufs)
+                for start, end in spans:
+                    loaded[start:end] = True
+                    engine.stats.record_hit("l1", end - start)
+                first = last
         finally:
             for obj in objs:
                 obj.ref_down()

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from kvmesh.common.config import EngineConfig, L1Config
+from kvmesh.services.worker import mla
 from kvmesh.services.worker.engine import KVEngine
 
 from .paged import bits, make_cache, slot_tokens
@@ -28,6 +29,8 @@ def main(rank: int, port: int, out: str) -> None:
     dst_slots = torch.randperm(64)[:40]
     cfg = EngineConfig(chunk_size=8, model_name="mla", l1=L1Config(max_size=4 << 20, reserve=0))
     eng = KVEngine("mla", rank, cfg, view, world_size=2)
+    # Two chunks a window: the 5-chunk prompt goes in three windows, the last partial.
+    mla.WINDOW_BYTES = 2 * eng.layout.chunk_nbytes(8)
     try:
         stored = eng.store(prompt, src_slots)
         fresh_view, fresh_layers, _ = make_cache(
