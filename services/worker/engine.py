@@ -362,12 +362,7 @@ class KVEngine:
         chunks = self.chunks(tokens, mask, tenant)
         held = self.storage.l1.held([key for _, _, key in chunks])
         todo = [chunk for chunk, h in zip(chunks, held, strict=True) if not h]
-        objs = self._allocate_free(todo)
-        if objs is None and self.storage.l1.make_room(
-            len(todo), [key for (_, _, key), h in zip(chunks, held, strict=True) if h]
-        ):
-            # A full L1 (the steady state) evicts for the whole run at once.
-            objs = self._allocate_free(todo)
+        objs = self._allocate_run(chunks, held, todo)
         if objs is None:
             # Too little can be evicted now (pages in use, or a prompt larger than L1):
             # one chunk at a time, each inserted before the next is allocated so that
@@ -377,6 +372,19 @@ class KVEngine:
             stored = self._store_run(chunks, held, objs, slot_mapping)
         self._account_store(stored, t0)
         return stored
+
+    def _allocate_run(
+        self, chunks: list[Chunk], held: list[bool], todo: list[Chunk]
+    ) -> list[MemoryObj] | None:
+        """An object per chunk of todo (the chunks not held), evicting for all of them at
+        once when L1 is full (the steady state), or None when that much cannot be freed
+        now. The held chunks are never the ones evicted."""
+        objs = self._allocate_free(todo)
+        if objs is None and self.storage.l1.make_room(
+            len(todo), [key for (_, _, key), h in zip(chunks, held, strict=True) if h]
+        ):
+            objs = self._allocate_free(todo)
+        return objs
 
     def _allocate_free(self, todo: list[Chunk]) -> list[MemoryObj] | None:
         """An object per chunk of todo from free pages, or None when too few are free."""

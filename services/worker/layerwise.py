@@ -35,17 +35,23 @@ def store_layers(
     t0 = time.perf_counter()
     pending = []
     if engine._stores_here():
-        l1 = engine.storage.l1
-        for start, end, key in engine.chunks(tokens, mask, tenant):
-            if l1.contains(key):
-                continue
-            try:
-                obj = engine._new_chunk_obj(end - start)
-            except AllocationError as exc:
-                engine.stats.alloc_failures.inc()
-                log.warning("layerwise store truncated: no memory", error=str(exc))
-                break
-            pending.append((start, end, key, obj))
+        chunks = engine.chunks(tokens, mask, tenant)
+        held = engine.storage.l1.held([key for _, _, key in chunks])
+        todo = [chunk for chunk, h in zip(chunks, held, strict=True) if not h]
+        objs = engine._allocate_run(chunks, held, todo)
+        if objs is not None:
+            pending = [
+                (start, end, key, obj) for (start, end, key), obj in zip(todo, objs, strict=True)
+            ]
+        else:  # what can be freed now is too little: one at a time, waiting for pages
+            for start, end, key in todo:
+                try:
+                    obj = engine._new_chunk_obj(end - start)
+                except AllocationError as exc:
+                    engine.stats.alloc_failures.inc()
+                    log.warning("layerwise store truncated: no memory", error=str(exc))
+                    break
+                pending.append((start, end, key, obj))
     else:
         engine.stats.stores_skipped.inc()
     committed = False

@@ -100,8 +100,18 @@ def test_l1_that_must_evict_stores_one_chunk_at_a_time(cache) -> None:
         eng.close()
 
 
+def store_by_layers(eng: KVEngine, prompt: list[int], slots: torch.Tensor) -> int:
+    gen = eng.store_layer(prompt, slots)
+    try:
+        while True:
+            next(gen)
+    except StopIteration as stop:
+        return stop.value
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["store", "store_layer"])
 def test_full_l1_evicts_for_the_whole_run_at_once_and_keeps_the_prompts_own_chunks(
-    cache,
+    cache, layerwise: bool
 ) -> None:
     view, layers, kind = cache
     eng = KVEngine("t", 0, config(l1_chunks=4), view)
@@ -117,7 +127,8 @@ def test_full_l1_evicts_for_the_whole_run_at_once_and_keeps_the_prompts_own_chun
         # The prompt's first two chunks are the least recently used in L1; the steady
         # state (a full L1) must still evict the other request for the new chunks.
         slots = torch.randperm(SLOTS)[:32]
-        assert eng.store(prompt, slots) == 16
+        store = store_by_layers if layerwise else KVEngine.store
+        assert store(eng, prompt, slots) == 16
         stored, removed = KVEventKind.STORED, KVEventKind.REMOVED
         # Both victims go first, in one pass, then both chunks in one run.
         assert events(eng) == [
