@@ -331,9 +331,21 @@ class KVEngine:
         return shape
 
     def _new_chunk_obj(self, num_tokens: int) -> MemoryObj:
+        """A page for one chunk, evicting or waiting as L1 allows; AllocationError
+        when none frees up in time."""
         return self.storage.l1.allocate(
             self._chunk_shape(num_tokens), self.layout.dtype, self.chunk_format
         )
+
+    def _new_chunk_obj_or_stop(self, num_tokens: int, stopping: str) -> MemoryObj | None:
+        """`_new_chunk_obj`, or None (counted in `alloc_failures_total`, logged as
+        `stopping`) for a caller that stops at the first chunk without a page."""
+        try:
+            return self._new_chunk_obj(num_tokens)
+        except AllocationError as exc:
+            self.stats.alloc_failures.inc()
+            log.warning(f"{stopping}: no memory", error=str(exc))
+            return None
 
     def _stores_here(self) -> bool:
         return not self._frozen and not (self.is_mla and self.rank != 0)
@@ -462,11 +474,7 @@ class KVEngine:
             if l1.contains(key):
                 l1.touch(key)
                 continue
-            try:
-                obj = self._new_chunk_obj(end - start)
-            except AllocationError as exc:
-                self.stats.alloc_failures.inc()
-                log.warning("store stopped: no memory", error=str(exc))
+            if (obj := self._new_chunk_obj_or_stop(end - start, "store stopped")) is None:
                 break
             try:
                 self.copier.gather(slot_mapping[start:end], obj.tensor)

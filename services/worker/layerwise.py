@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvmesh.common.observability import get_logger
-from kvmesh.services.worker.tiers.host import AllocationError
 
 if TYPE_CHECKING:
     from kvmesh.services.worker.engine import KVEngine
@@ -45,11 +44,8 @@ def store_layers(
             ]
         else:  # what can be freed now is too little: one at a time, waiting for pages
             for start, end, key in todo:
-                try:
-                    obj = engine._new_chunk_obj(end - start)
-                except AllocationError as exc:
-                    engine.stats.alloc_failures.inc()
-                    log.warning("layerwise store truncated: no memory", error=str(exc))
+                obj = engine._new_chunk_obj_or_stop(end - start, "layerwise store truncated")
+                if obj is None:
                     break
                 pending.append((start, end, key, obj))
     else:

@@ -37,7 +37,6 @@ from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import p2p as proto
 from kvmesh.common.transport.channel import PeerError, Piece, TransferChannel
 from kvmesh.common.transport.chunk_regions import WHOLE, token_axis
-from kvmesh.services.worker.tiers.host import AllocationError
 
 if TYPE_CHECKING:
     from kvmesh.services.worker.engine import KVEngine
@@ -306,11 +305,8 @@ def push_layers(
         obj = l1.get(key)
         fresh = obj is None
         if obj is None:
-            try:
-                obj = engine._new_chunk_obj(end - start)
-            except AllocationError as exc:
-                engine.stats.alloc_failures.inc()
-                log.warning("PD push truncated: no memory", error=str(exc))
+            obj = engine._new_chunk_obj_or_stop(end - start, "PD push truncated")
+            if obj is None:
                 break
         entries.append(_Entry(start, end, key, obj, fresh))
     if not entries:
