@@ -6,16 +6,23 @@ Starts a cache-server (`python -m kvmesh.services.cacheserver`), a redis-server 
 raw TCP echo process on loopback, then for values of 256 KiB, 2 MiB and 32 MiB
 measures one request at a time, in the same run:
 
-- **kvmesh**: the worker's `kvmesh://` connector (the cache-server's asyncio client;
-  get returns the payload as received ZMQ frames, header parsed: one frame, or parts
-  of 8 MiB for larger values);
-- **kvmesh+L1**: the whole remote-tier get: the same fetch, then the copy into an L1
-  buffer with its checksum verified (what a retrieve pays);
+- **kvmesh**: the worker's `kvmesh://` connector (the cache-server's asyncio client)
+  fetching over the server's data connection into a page-aligned buffer it reuses, as
+  the raw socket does (`get_into`; common/protocol/cacheserver_data.py);
+- **kvmesh+L1**: what the remote tier's retrieve pays: the same fetch received straight
+  into an L1 buffer, then its checksum verified;
+- **zmq** and **zmq+L1**: the same over ZMQ (the path before data connections, and
+  the fallback): the payload arrives as ZMQ frames (one, or 8 MiB parts for larger
+  values), which zmq+L1 copies into an L1 buffer while verifying;
 - **redis-py**: `redis.asyncio` GET/SET against redis-server (the hiredis parser when
   installed, as the Redis connector uses it);
 - **raw TCP**: a blocking socket asking another process for the same bytes (an 8-byte
-  request, the payload back with `recv_into` a preallocated buffer; put is the payload
-  out and a 1-byte ack): the limit of one request over one loopback connection.
+  request, the payload back with `recv_into` a preallocated page-aligned buffer; put is
+  the payload out and a 1-byte ack): the limit of one request over one loopback
+  connection.
+
+Puts go over ZMQ on every kvmesh path (the four kvmesh columns' puts are the same
+operation, measured four times).
 
 Every cell is GB/s (bytes / median time per request) with the p50/p99 latency.
 Figures are medians of RUNS timed passes interleaved across the four paths, after a
@@ -33,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import mmap
 import os
 import platform
 import shutil
@@ -48,10 +56,15 @@ from typing import Any
 
 import torch
 
-from kvmesh.common.chunk_codec import payload_nbytes
+from kvmesh.common.chunk_codec import chunk_bytes, payload_nbytes
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import HostMemoryPool, MemoryFormat
-from kvmesh.services.worker.tiers.remote_codec import encode
+from kvmesh.services.worker.tiers.remote_codec import (
+    decode_into,
+    encode,
+    finish_placed,
+    placement,
+)
 from kvmesh.services.worker.tiers.remote_kvmesh import KvmeshConnector
 
 KiB, MiB = 1024, 1024 * 1024
@@ -63,7 +76,7 @@ SMALL_GETS = 2000
 EXISTS_KEYS = 1000
 EXISTS_RUNS = 50
 PIPELINE_DEPTH = 8
-PATHS = ("kvmesh", "kvmesh+L1", "redis-py", "raw TCP")
+PATHS = ("kvmesh", "kvmesh+L1", "zmq", "zmq+L1", "redis-py", "raw TCP")
 GET_RATIO_RAW = 0.8
 GET_RATIO_REDIS = 2.0
 SMALL_P99_MS = 1.0
@@ -81,14 +94,23 @@ TUNED_MALLOC_ENV = (
 # -- the raw TCP peer (run as its own process) ------------------------------------------------
 
 
+def _aligned(n: int) -> memoryview:
+    """A page-aligned buffer. Where a receive buffer starts matters on some CPUs: on
+    the AMD EPYC of 2026-11-26 a 2 MiB loopback receive into a bytearray (its bytes
+    start 16 bytes into a page) took 1.5-1.6 ms against 0.4-0.5 ms page-aligned; the
+    limit is measured with the fast layout, as the L1 pages are."""
+    return memoryview(mmap.mmap(-1, n))
+
+
 def raw_server(port_file: str) -> None:
     """Serve one connection: a get sends `length` bytes, a put reads them and acks."""
     srv = socket.create_server(("127.0.0.1", 0))
     Path(port_file).write_text(str(srv.getsockname()[1]))
     conn, _ = srv.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    data = memoryview(bytearray(os.urandom(max(SIZES.values()))))
-    sink = memoryview(bytearray(max(SIZES.values())))
+    data = _aligned(max(SIZES.values()))
+    data[:] = os.urandom(data.nbytes)
+    sink = _aligned(max(SIZES.values()))
     head = bytearray(_REQ.size)
     while True:
         if conn.recv_into(head, _REQ.size, socket.MSG_WAITALL) != _REQ.size:
@@ -107,7 +129,7 @@ class RawClient:
     def __init__(self, port: int) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.buf = memoryview(bytearray(max(SIZES.values())))
+        self.buf = _aligned(max(SIZES.values()))
 
     def get(self, n: int) -> None:
         self.sock.sendall(_REQ.pack(1, n))
@@ -205,6 +227,9 @@ class Bench:
     def __init__(self, ports: dict[str, int]) -> None:
         self.ports = ports
         self.pool = HostMemoryPool(256 * MiB, 32 * MiB, pin_memory=False)
+        # An engine's L1 pages are touched once warm; an untouched page would charge a
+        # receive its first-touch faults (~1.5 ms per 2 MiB here).
+        self.pool.buffer.fill_(0)
         self.key = ChunkKey("0123456789abcdef", bytes(16))
 
     async def setup(self) -> None:
@@ -220,12 +245,16 @@ class Bench:
             obj = self.pool.allocate(torch.Size([n // 2]), torch.float16, MemoryFormat.BINARY)
             obj.raw.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8))  # touch it
             self.objs[name] = obj
+        # What the kvmesh column receives into, reused as the raw socket's buffer is.
+        self.sinks = {
+            name: self.pool.allocate(o.shape, o.dtype, o.fmt) for name, o in self.objs.items()
+        }
 
     async def put(self, path: str, name: str) -> float:
         obj = self.objs[name]
         key = ChunkKey(self.key.namespace_id, name.encode().ljust(16, b"\0"))
         t0 = time.perf_counter()
-        if path in ("kvmesh", "kvmesh+L1"):
+        if path in ("kvmesh", "kvmesh+L1", "zmq", "zmq+L1"):  # puts always go over ZMQ
             header, packed, payload = encode(key, obj)
             await self.kv.put(key, header, packed, payload)
         elif path == "redis-py":
@@ -239,11 +268,18 @@ class Bench:
         key = ChunkKey(self.key.namespace_id, name.encode().ljust(16, b"\0"))
         t0 = time.perf_counter()
         if path == "kvmesh":
-            fetched = await self.kv.get(key)
+            sink = chunk_bytes(self.sinks[name])
+            fetched = await self.kv.get_into(key, lambda header, n: sink)
             assert fetched is not None and payload_nbytes(fetched.payload) == SIZES[name]
         elif path == "kvmesh+L1":
-            from kvmesh.services.worker.tiers.remote_codec import decode_into
-
+            placed: list = []
+            fetched = await self.kv.get_into(key, placement(key, self.pool, placed))
+            assert fetched is not None and placed
+            finish_placed(key, fetched.header, placed[0]).ref_down()
+        elif path == "zmq":
+            fetched = await self.kv.get(key)
+            assert fetched is not None and payload_nbytes(fetched.payload) == SIZES[name]
+        elif path == "zmq+L1":
             fetched = await self.kv.get(key)
             assert fetched is not None
             obj = decode_into(key, fetched.header, fetched.payload, self.pool)
@@ -295,7 +331,7 @@ class Bench:
         times = []
         for _ in range(n):
             t0 = time.perf_counter()
-            await self.kv.get(key)
+            await self.kv.get_into(key, lambda header, n: None)
             times.append(time.perf_counter() - t0)
         times = times[n // 10 :]  # drop the warm-up
         return {"p50_ms": _pct(times, 0.5) * 1e3, "p99_ms": _pct(times, 0.99) * 1e3}
@@ -317,11 +353,18 @@ class Bench:
         """GB/s of `depth` concurrent gets of one value through the kvmesh connector, as
         a retrieve issues them (one get per chunk of the prefix, all in flight)."""
         key = ChunkKey(self.key.namespace_id, name.encode().ljust(16, b"\0"))
-        await asyncio.gather(*(self.kv.get(key) for _ in range(depth)))  # warm-up
+
+        async def one() -> None:
+            placed: list = []
+            fetched = await self.kv.get_into(key, placement(key, self.pool, placed))
+            assert fetched is not None and placed
+            finish_placed(key, fetched.header, placed[0]).ref_down()
+
+        await asyncio.gather(*(one() for _ in range(depth)))  # warm-up
         times = []
         for _ in range(rounds):
             t0 = time.perf_counter()
-            await asyncio.gather(*(self.kv.get(key) for _ in range(depth)))
+            await asyncio.gather(*(one() for _ in range(depth)))
             times.append(time.perf_counter() - t0)
         return depth * SIZES[name] / statistics.median(times) / 1e9
 
@@ -401,14 +444,14 @@ def print_table(rows: list[dict[str, Any]], small: dict, exists: dict, results: 
     )
     print(f"# glibc malloc thresholds: {env['malloc']} (--tuned-malloc raises them)")
     print("# one request at a time; GB/s from the median; p50/p99 in ms")
-    print(f"{'size':<7} {'op':<4}" + "".join(f" {p:>24}" for p in PATHS))
+    print(f"{'size':<7} {'op':<4}" + "".join(f" {p:>22}" for p in PATHS))
     cell = {(r["path"], r["size"], r["op"]): r for r in rows}
     for name in SIZES:
         for op in ("get", "put"):
             line = f"{name:<7} {op:<4}"
             for p in PATHS:
                 r = cell[(p, name, op)]
-                line += f" {r['gb_s']:>6.2f} ({r['p50_ms']:>6.2f}/{r['p99_ms']:>6.2f})"
+                line += f" {r['gb_s']:>5.2f} ({r['p50_ms']:>6.2f}/{r['p99_ms']:>5.1f})"
             print(line)
     print(f"16 KiB get via kvmesh: p50 {small['p50_ms']:.3f} ms, p99 {small['p99_ms']:.3f} ms")
     print(

@@ -373,6 +373,10 @@ class CacheServerConfig(_Section):
     # LMCache's lm:// protocol on a second port (0 = let the OS pick).
     lm_enabled: bool = False
     lm_port: Port = 7621
+    # Gets over a plain TCP stream beside ZMQ (0 = let the OS pick; the hello tells
+    # clients the port). Never offered with CURVE on.
+    data_enabled: bool = True
+    data_port: Port = 0
     # Empty = no spill: what the memory LRU evicts is dropped.
     spill_path: str = ""
     spill_max_size: ByteSize = ByteSize("16GiB")

@@ -25,6 +25,9 @@ socket, so the server sees `[routing id, header, *values]`.
   value: libzmq mallocs each received frame, and glibc maps every allocation above
   its largest dynamic threshold (32 MiB) afresh, faulting in each page. A client that
   says nothing (0) gets every value as one frame.
+- Data connections: a `HelloReply` with `data_port` > 0 offers gets over a plain TCP
+  stream beside this socket (common/protocol/cacheserver_data.py), opened with its
+  `data_token`; 0 (an older server, CURVE on, or `data_enabled: false`) offers none.
 - `checksum` is xxh3-64 of the value. The server computes it on every put, rejects a
   put whose client-given checksum differs, keeps it with the value and returns it on
   every get, so readers can check the bytes end to end.
@@ -168,6 +171,10 @@ class HelloReply(wire.Message, tag="hello_r"):
     server: str
     max_value_size: int
     max_batch: int = MAX_BATCH
+    # The data connection (cacheserver_data.py): its port (0 = not offered) and the
+    # token a data connection must present.
+    data_port: int = 0
+    data_token: bytes = b""
 
 
 class PutValueReply(wire.Message, tag="put_r"):

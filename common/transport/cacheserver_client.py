@@ -25,7 +25,15 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import cacheserver as proto
+from kvmesh.common.protocol.cacheserver_data import DataFrameError
+from kvmesh.common.transport.cacheserver_data_client import (
+    DataConnectError,
+    DataConnections,
+    Place,
+    endpoint_host,
+)
 from kvmesh.common.transport.cacheserver_errors import (
     BadRequestError,
     CacheServerError,
@@ -36,6 +44,8 @@ from kvmesh.common.transport.cacheserver_errors import (
     error_from,
 )
 from kvmesh.common.transport.curve import CurveKeys, apply_client
+
+log = get_logger(__name__)
 
 __all__ = [
     "BadRequestError",
@@ -93,11 +103,16 @@ class CacheServerClient:
         context: zmq.Context | None = None,
         curve: CurveKeys | None = None,
         value_part_bytes: int = 0,
+        data_connections: int = 0,
     ) -> None:
         """value_part_bytes: ask for values longer than this in parts (see the
-        protocol); gets then return such a value's `data` as a list of views."""
+        protocol); gets then return such a value's `data` as a list of views.
+        data_connections: at most this many data connections for `get_into` when the
+        server offers them (0: never)."""
         self.endpoint = endpoint
         self.value_part_bytes = value_part_bytes
+        self.data_connections = data_connections
+        self._data: DataConnections | None = None
         self.curve = curve
         self.timeout_s = timeout_s
         self.name = name or f"kvmesh-{os.getpid()}"
@@ -162,6 +177,7 @@ class CacheServerClient:
             monitor.close(linger=0)
         self._up.clear()
         self._session = False
+        self._set_data(None)
 
     async def reconnect(self) -> None:
         """A fresh socket (what was in flight fails), then hello."""
@@ -290,7 +306,29 @@ class CacheServerClient:
             self.max_batch = reply.max_batch
             self.server_name = reply.server
             self._session = True
+            offered = self.data_connections > 0 and reply.data_port > 0 and reply.data_token
+            self._set_data(
+                DataConnections(
+                    endpoint_host(self.endpoint),
+                    reply.data_port,
+                    reply.data_token,
+                    size=self.data_connections,
+                    max_payload=reply.max_value_size,
+                )
+                if offered
+                else None
+            )
             return reply
+
+    def _set_data(self, conns: DataConnections | None) -> None:
+        if self._data is not None:
+            self._data.close()
+        self._data = conns
+
+    @property
+    def data_path(self) -> bool:
+        """Whether `get_into` currently uses data connections."""
+        return self._data is not None
 
     async def put(
         self,
@@ -315,6 +353,41 @@ class CacheServerClient:
                 f"get reply carried {len(frames)} value frames, not {reply.parts}"
             )
         return _value(frames, reply.meta, reply.checksum)
+
+    async def get_into(
+        self, key: str, place: Place, timeout_s: float | None = None
+    ) -> Value | None:
+        """A get whose value lands in the buffer place(meta, nbytes) returns (or, when
+        it returns None, in one of the connection's own), over a data connection
+        (cacheserver_data_client.py) when the server offers them; otherwise, or when
+        the data port cannot be reached (then until the next hello), the ZMQ get, which
+        does not call place."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        if not self._session:
+            await self.hello(timeout_s)
+        conns = self._data
+        if conns is not None:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    got = await conns.get(key, place)
+            except TimeoutError:
+                raise CacheServerUnavailable(
+                    f"no data reply from {self.endpoint} within {timeout_s:.3g}s"
+                ) from None
+            except DataConnectError as exc:
+                log.warning("cache-server data port unusable; gets go over ZMQ", error=str(exc))
+                if self._data is conns:
+                    self._set_data(None)
+            except (ConnectionError, DataFrameError) as exc:
+                raise CacheServerUnavailable(f"data connection: {exc}") from None
+            else:
+                if got is None:
+                    return None
+                meta, checksum, buf = got
+                return Value(buf, meta, checksum)
+        return await self.get(key, max(deadline - loop.time(), 0.001))
 
     async def exists(self, key: str, timeout_s: float | None = None) -> bool:
         reply, _ = await self._call(lambda rid: proto.CheckValue(rid, key), (), timeout_s)

@@ -38,7 +38,7 @@ class RequestError(Exception):
         self.code = code
 
 
-def _check_key(key: str) -> None:
+def check_key(key: str) -> None:
     if not proto.valid_key(key):
         raise RequestError(
             ErrorCode.BAD_KEY,
@@ -52,7 +52,7 @@ def _check_batch(keys: list[str]) -> None:
             ErrorCode.BATCH_TOO_LARGE, f"{len(keys)} keys in one batch (max {proto.MAX_BATCH})"
         )
     for key in keys:
-        _check_key(key)
+        check_key(key)
 
 
 def _kept(frame: Any) -> Any:
@@ -108,7 +108,7 @@ class Handlers:
 
     # -- storing ------------------------------------------------------------------------
     def _store(self, key: str, frame: Any, meta: bytes, checksum: int | None) -> Entry:
-        _check_key(key)
+        check_key(key)
         if len(meta) > proto.MAX_META_BYTES:
             raise RequestError(
                 ErrorCode.BAD_MESSAGE, f"meta of {len(meta)} bytes (max {proto.MAX_META_BYTES})"
@@ -162,7 +162,7 @@ class Handlers:
             self.stats.bytes_out.inc(entry.nbytes)
         return entry
 
-    async def _fetch(self, key: str) -> Entry | None:
+    async def fetch(self, key: str) -> Entry | None:
         """From memory, or from the spill within the request deadline (else a miss)."""
         store = self.store
         entry = store.get_memory(key)
@@ -194,12 +194,12 @@ class Handlers:
 
     def get(self, msg: proto.GetValue, frames: list[Any]) -> Result:
         """From memory only (what does not suspend); see aget."""
-        _check_key(msg.key)
+        check_key(msg.key)
         return self._get_reply(msg.rid, self._counted(msg.key, self.store.get_memory(msg.key)))
 
     async def aget(self, msg: proto.GetValue, frames: list[Any]) -> Result:
-        _check_key(msg.key)
-        return self._get_reply(msg.rid, await self._fetch(msg.key))
+        check_key(msg.key)
+        return self._get_reply(msg.rid, await self.fetch(msg.key))
 
     def get_many(self, msg: proto.GetValues, frames: list[Any]) -> Result:
         _check_batch(msg.keys)
@@ -208,10 +208,10 @@ class Handlers:
 
     async def aget_many(self, msg: proto.GetValues, frames: list[Any]) -> Result:
         _check_batch(msg.keys)
-        return self._get_many_reply(msg.rid, [await self._fetch(k) for k in msg.keys])
+        return self._get_many_reply(msg.rid, [await self.fetch(k) for k in msg.keys])
 
     def exists(self, msg: proto.CheckValue, frames: list[Any]) -> Result:
-        _check_key(msg.key)
+        check_key(msg.key)
         return proto.CheckValueReply(msg.rid, self.store.contains(msg.key)), []
 
     def exists_many(self, msg: proto.CheckValues, frames: list[Any]) -> Result:
@@ -221,7 +221,7 @@ class Handlers:
 
     # -- deleting and listing -----------------------------------------------------------
     def delete(self, msg: proto.DeleteValue, frames: list[Any]) -> Result:
-        _check_key(msg.key)
+        check_key(msg.key)
         return proto.DeleteValueReply(msg.rid, self.store.delete(msg.key)), []
 
     def delete_many(self, msg: proto.DeleteValues, frames: list[Any]) -> Result:
@@ -235,7 +235,7 @@ class Handlers:
                 ErrorCode.BAD_MESSAGE, f"limit must be 1–{proto.MAX_LIST_LIMIT}, got {msg.limit}"
             )
         if msg.prefix:
-            _check_key(msg.prefix)
+            check_key(msg.prefix)
         try:
             keys, cursor = self.store.list_keys(msg.prefix, msg.cursor, msg.limit)
         except ValueError as exc:

@@ -3,6 +3,7 @@
 Listeners:
 - a ZMQ ROUTER (`host:port`) speaking kvmesh's protocol (common/protocol/cacheserver.py);
 - optionally LMCache's `lm://` protocol on `lm_port` (lm_listener.py);
+- gets over plain TCP data connections on `data_port` (data_listener.py; not with CURVE);
 - optionally HTTP on `metrics_port`: `/metrics` and `/healthz`, `/health`
   (common/observability/http.py).
 
@@ -41,6 +42,7 @@ from kvmesh.common.protocol import cacheserver as proto
 from kvmesh.common.protocol.cacheserver import ErrorCode
 from kvmesh.common.transport.curve import CurveGuard, CurveKeys
 from kvmesh.common.transport.router_loop import Answer, RouterLoop
+from kvmesh.services.cacheserver.data_listener import DataListener
 from kvmesh.services.cacheserver.handlers import Handlers, RequestError
 from kvmesh.services.cacheserver.lm_listener import LmListener
 from kvmesh.services.cacheserver.spill import DiskSpill
@@ -125,6 +127,7 @@ class CacheServer:
         self._stopped = asyncio.Event()
         self._closed = asyncio.Event()
         self.lm: LmListener | None = None
+        self.data: DataListener | None = None
         self.http: ProbeServer | None = None
         self.port = 0
         self.stats.max_memory.set(int(config.max_memory))
@@ -151,6 +154,9 @@ class CacheServer:
         if cfg.lm_enabled:
             self.lm = LmListener(self.store, self.stats, cfg)
             await self.lm.start()
+        if cfg.data_enabled and self.curve is None:
+            self.data = DataListener(self.handlers, self.stats, cfg, self.connections)
+            await self.data.start()
         if cfg.metrics_port:
             self.http = ProbeServer(self.stats.metrics, self.health_report, cfg.host)
             await self.http.start(cfg.metrics_port)
@@ -158,6 +164,7 @@ class CacheServer:
             "cacheserver ready",
             port=self.port,
             lm_port=self.lm.port if self.lm else None,
+            data_port=self.data.port if self.data else None,
             metrics_port=self.http.port if self.http else None,
             max_memory=int(cfg.max_memory),
             spill=cfg.spill_path or None,
@@ -170,6 +177,8 @@ class CacheServer:
         self._stopped.set()
         if self.lm is not None:
             await self.lm.stop()
+        if self.data is not None:
+            await self.data.stop()
         if self.http is not None:
             await self.http.stop()
         if self.router.monitor is not None:
@@ -192,7 +201,11 @@ class CacheServer:
 
     def connections(self) -> int:
         self._on_monitor()  # take in connection events not yet seen
-        return self.zmq_connections + (self.lm.connections if self.lm else 0)
+        return (
+            self.zmq_connections
+            + (self.lm.connections if self.lm else 0)
+            + (self.data.connections if self.data else 0)
+        )
 
     def health_report(self) -> dict[str, Any]:
         return {
@@ -288,6 +301,8 @@ class CacheServer:
             self.name,
             int(self.config.max_value_size),
             proto.MAX_BATCH,
+            self.data.port if self.data else 0,
+            self.data.token if self.data else b"",
         )
 
     def _error(self, msg: Any, code: ErrorCode, message: str) -> proto.ErrorReply:

@@ -22,7 +22,8 @@ OPS = (
     "invalid",
 )
 LM_OPS = ("put", "get", "exist", "list", "health", "invalid")
-LISTENERS = ("zmq", "lm")
+DATA_OPS = ("get", "invalid")
+LISTENERS = ("zmq", "lm", "data")
 
 
 class ServerStats:
@@ -35,6 +36,7 @@ class ServerStats:
         )
         self.requests = {op: requests.labels(listener="zmq", op=op) for op in OPS}
         self.lm_requests = {op: requests.labels(listener="lm", op=op) for op in LM_OPS}
+        self.data_requests = {op: requests.labels(listener="data", op=op) for op in DATA_OPS}
         seconds = m.histogram(
             "cacheserver_request_seconds", "Time to serve one request (zmq listener)", ["op"]
         )
@@ -46,6 +48,7 @@ class ServerStats:
         )
         self.errors = {c: errors.labels(code=c.name.lower()) for c in ErrorCode}
         self.lm_closed = errors.labels(code="lm_connection_closed")
+        self.data_closed = errors.labels(code="data_connection_closed")
         gets = m.counter("cacheserver_gets_total", "Values asked for, by result", ["result"])
         self.hits = gets.labels(result="hit")
         self.misses = gets.labels(result="miss")

@@ -21,6 +21,10 @@ from kvmesh.services.cli.serving import load_security, load_service_config, run_
 @click.option("--port", type=int, default=None, help="kvmesh protocol port; 0 = any free one.")
 @click.option("--lm/--no-lm", "lm_enabled", default=None, help="Also serve LMCache's lm://.")
 @click.option("--lm-port", type=int, default=None, help="lm:// port; 0 = any free one.")
+@click.option(
+    "--data/--no-data", "data_enabled", default=None, help="Serve gets over TCP data connections."
+)
+@click.option("--data-port", type=int, default=None, help="Data connection port; 0 = any free one.")
 @click.option("--metrics-port", type=int, default=None, help="/metrics and /healthz port.")
 @click.option("--max-memory", default=None, help="Memory bound, e.g. 8GiB.")
 @click.option("--max-value-size", default=None, help="Largest value accepted, e.g. 256MiB.")
@@ -30,7 +34,7 @@ from kvmesh.services.cli.serving import load_security, load_service_config, run_
     "--ready-file",
     type=click.Path(dir_okay=False, path_type=str),
     default=None,
-    help="Write {pid, port, lm_port, metrics_port} as JSON here once serving.",
+    help="Write {pid, port, lm_port, data_port, metrics_port} as JSON here once serving.",
 )
 def cacheserver(config_file: str | None, ready_file: str | None, **options: Any) -> None:
     """Serve the cache-server until SIGTERM or Ctrl-C.
@@ -50,6 +54,7 @@ def cacheserver(config_file: str | None, ready_file: str | None, **options: Any)
         lambda s: {
             "port": s.port,
             "lm_port": s.lm.port if s.lm else None,
+            "data_port": s.data.port if s.data else None,
             "metrics_port": s.http.port if s.http else None,
         },
     )

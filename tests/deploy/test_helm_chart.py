@@ -198,6 +198,7 @@ def test_config_passes_kvmesh_validation(rendered: dict, value_set: str, tmp_pat
     )
     assert (cfg.lookup.port, cfg.lookup.metrics_port) == (7610 + off, 7611 + off)
     assert (cfg.cacheserver.port, cfg.cacheserver.metrics_port) == (7620 + off, 7622 + off)
+    assert cfg.cacheserver.data_port == 7623 + off  # a fixed port a Service can forward
     assert (cfg.bridge.port, cfg.bridge.metrics_port) == (7630 + off, 7631 + off)
     assert cfg.engine.metrics_port == 7640 + off and cfg.engine.p2p.port == 7650 + off
     controller = f"tcp://{full_name('controller')}:{7600 + off}"
@@ -322,6 +323,26 @@ def test_controller_event_feed_ports(rendered: dict, value_set: str, tmp_path: P
     cfg = _load(tmp_path, docs)
     assert in_pod["events"] == cfg.controller.events_port
     assert in_pod["events-replay"] == cfg.controller.events_replay_port
+
+
+@pytest.mark.parametrize("value_set", SETS)
+def test_cacheserver_data_port_reaches_the_pod(
+    rendered: dict, value_set: str, tmp_path: Path
+) -> None:
+    # Clients learn the data port from the hello and dial it at the Service's address,
+    # so the Service must forward the very port the cache-server binds.
+    docs = rendered[value_set]
+    found = [w for w in workloads(docs) if w["metadata"]["name"] == full_name("cacheserver")]
+    if value_set == "redis-remote":  # no cache-server in this set
+        assert not found
+        return
+    (cache,) = found
+    c = container(cache)
+    svc = one(docs, "Service", full_name("cacheserver"))
+    in_svc = {p["name"]: (p["port"], port_number(c, p["targetPort"])) for p in svc["spec"]["ports"]}
+    port = _load(tmp_path, docs).cacheserver.data_port
+    assert port == 7623 + PORT_OFFSET.get(value_set, 0)
+    assert in_svc["data"] == (port, port) == (port, port_number(c, "data"))
 
 
 def test_controller_event_feed_off(helm: str, tmp_path: Path) -> None:

@@ -1,11 +1,13 @@
 """Fuzz the cache-server: its ZMQ ROUTER (common/protocol/cacheserver.py), its LMCache
-`lm://` listener (common/protocol/lmcache_lm.py) and its /metrics, /health endpoint, on
+`lm://` listener (common/protocol/lmcache_lm.py), its data connections
+(common/protocol/cacheserver_data.py) and its /metrics, /health endpoint, on
 one real `kvmesh serve cacheserver` process. After each batch it is alive, logged no
 traceback, kept its RSS bounded (its store is bounded at 16 MiB) and still stores and
 returns a value correctly in time."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import socket
 import struct
@@ -17,7 +19,9 @@ from hypothesis import strategies as st
 from kvtest.remote import CacheServerProcess
 
 from kvmesh.common.protocol import cacheserver as proto
+from kvmesh.common.protocol import cacheserver_data as data
 from kvmesh.common.protocol import lmcache_lm as lm
+from kvmesh.common.transport.cacheserver_client import CacheServerClient
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +98,24 @@ def lm_probe(port: int, n: int) -> None:
         assert lm.parse_reply(_recv(sock, lm.REPLY_SIZE)).code == lm.Code.SUCCESS
 
 
+def converse(port: int, conversation: list[bytes]) -> None:
+    """Send each part on one connection, read whatever comes back, then hang up (maybe
+    mid-request). A listener may close the connection on bad input: the rest is not
+    sent."""
+    with socket.create_connection(("127.0.0.1", port), timeout=REPLY_S) as sock:
+        for part in conversation:
+            try:
+                sock.sendall(part)
+            except OSError:
+                break
+        sock.settimeout(0.05)
+        try:
+            while sock.recv(65536):
+                pass
+        except (TimeoutError, ConnectionResetError):
+            pass
+
+
 def _recv(sock: socket.socket, n: int) -> bytes:
     data = b""
     while len(data) < n:
@@ -109,19 +131,7 @@ def test_lm_listener_survives_fuzzed_connections(server: CacheServerProcess) -> 
     n = itertools.count(1)
 
     def run_batch(conversation: list[bytes]) -> None:
-        with socket.create_connection(("127.0.0.1", server.lm_port), timeout=REPLY_S) as sock:
-            for part in conversation:
-                try:
-                    sock.sendall(part)
-                except OSError:
-                    break  # closed on a bad header: what the listener documents
-            # Whatever it answers, then the connection goes (mid-request, maybe).
-            sock.settimeout(0.05)
-            try:
-                while sock.recv(65536):
-                    pass
-            except (TimeoutError, ConnectionResetError):
-                pass
+        converse(server.lm_port, conversation)
         lm_probe(server.lm_port, next(n))
         watched.check()
 
@@ -134,3 +144,55 @@ def test_probe_endpoint_answers_every_fuzzed_request(server: CacheServerProcess)
         "cacheserver metrics", Watched(server), server.metrics_port, FUZZ_SECONDS / 4
     )
     assert statuses.get(200) and statuses.get(404), statuses
+
+
+@st.composite
+def data_request(draw: st.DrawFn) -> bytes:
+    """One data-connection request: any op, any key length, some key bytes."""
+    op = draw(st.one_of(st.just(data.OP_GET), st.integers(0, 255)))
+    length = draw(st.one_of(st.integers(0, 700), st.integers(0, 65535)))
+    key = draw(st.one_of(keys, st.text(min_size=1, max_size=60).map(str.encode)))
+    return data.REQUEST.pack(op, length) + key[: draw(st.integers(0, length))]
+
+
+def data_conversations(token: bytes) -> st.SearchStrategy[list[bytes]]:
+    preamble = st.one_of(
+        st.just(data.PREAMBLE.pack(data.MAGIC, token)),
+        st.binary(max_size=40),
+        st.binary(min_size=16, max_size=16).map(lambda t: data.PREAMBLE.pack(data.MAGIC, t)),
+    )
+    body = st.lists(st.one_of(data_request(), st.binary(max_size=300)), max_size=5)
+    return st.tuples(preamble, body).map(lambda pb: [pb[0], *pb[1]])
+
+
+def test_data_listener_survives_fuzzed_connections(server: CacheServerProcess) -> None:
+    async def probe_client() -> CacheServerClient:
+        client = CacheServerClient(server.endpoint, timeout_s=REPLY_S, data_connections=1)
+        await client.connect()
+        return client
+
+    loop = asyncio.new_event_loop()
+    client = loop.run_until_complete(probe_client())
+    assert client.data_path and client._data is not None
+    token = client._data.token
+    watched = Watched(server)
+    n = itertools.count(1)
+
+    async def probe(i: int) -> None:
+        value = i.to_bytes(4, "little") * 500
+        await client.put(f"data-probe-{i}", value, b"m")
+        got = await client.get_into(f"data-probe-{i}", lambda meta, nbytes: None)
+        assert got is not None and bytes(got.data) == value and got.meta == b"m"
+        assert client.data_path
+
+    def run_batch(conversation: list[bytes]) -> None:
+        converse(port, conversation)
+        loop.run_until_complete(probe(next(n)))
+        watched.check()
+
+    port = client._data.port
+    try:
+        fuzz_for("cacheserver data", data_conversations(token), run_batch, FUZZ_SECONDS / 4)
+    finally:
+        loop.run_until_complete(client.close())
+        loop.close()

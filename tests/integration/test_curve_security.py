@@ -176,11 +176,15 @@ def _lookup(url: str, keys: CurveKeys | None) -> object:
 
 def _get(port: int, keys: CurveKeys | None) -> object:
     async def main() -> object:
-        client = CacheServerClient(f"tcp://127.0.0.1:{port}", timeout_s=REFUSED_S, curve=keys)
+        client = CacheServerClient(
+            f"tcp://127.0.0.1:{port}", timeout_s=REFUSED_S, curve=keys, data_connections=4
+        )
         try:
             await client.connect()
             await client.put("k", b"value")
-            value = await client.get("k")
+            value = await client.get_into("k", lambda meta, nbytes: None)
+            # The data connection is plain TCP: a CURVE server never offers it.
+            assert not client.data_path
             return None if value is None else bytes(value.data)
         finally:
             await client.close()

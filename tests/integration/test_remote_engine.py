@@ -4,6 +4,7 @@ the remote deadline while L1 keeps serving; after a restart the remote is used a
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -11,6 +12,8 @@ import pytest
 import torch
 from kvtest.paged import bits, make_cache, slot_tokens
 from kvtest.remote import CacheServerProcess, remote_engine
+
+from kvmesh.common.transport.cacheserver_client import CacheServerClient
 
 BLOCKS, BLOCK = 64, 4
 SLOTS = BLOCKS * BLOCK
@@ -215,3 +218,42 @@ def test_close_waits_for_puts_in_flight(server) -> None:
         assert [fresh.lookup(p) for p in prompts] == [64] * 4
     finally:
         fresh.close()
+
+
+def test_a_damaged_value_is_a_miss_and_costs_no_l1_page(server) -> None:
+    # Chunks come over the data connection straight into L1 pages; one whose bytes
+    # fail the checksum must give its page back and never reach the paged cache.
+    src_view, _, _ = make_cache("cpu", torch.bfloat16, True, blocks=BLOCKS)
+    dst_view, dst_layers, _ = make_cache("cpu", torch.bfloat16, False, blocks=BLOCKS)
+    prompt = list(range(7000, 7000 + 64))
+    src_slots, dst_slots = torch.randperm(SLOTS)[:64], torch.randperm(SLOTS)[:64]
+    a = remote_engine(server.url, src_view, instance="dmg-a")
+    b = remote_engine(server.url, dst_view, instance="dmg-b")
+    try:
+        assert a.store(prompt, src_slots) == 64
+        assert a.storage.tier("remote").flush(5)
+
+        async def damage() -> int:
+            c = CacheServerClient(server.endpoint, timeout_s=3.0)
+            await c.connect()
+            try:
+                keys, _ = await c.list_page("", "", 1000)
+                for k in keys:
+                    value = await c.get(k)
+                    raw = bytearray(value.tobytes())
+                    raw[len(raw) // 2] ^= 1
+                    await c.put(k, bytes(raw), value.meta)
+                return len(keys)
+            finally:
+                await c.close()
+
+        assert asyncio.run(damage()) == 8
+        before = dst_layers[0].clone()
+        used = b.pool.used_pages
+        assert not bool(b.retrieve(prompt, dst_slots).any())
+        assert b.stats.metrics.value("remote_gets_total", {"result": "corrupt"}) >= 1
+        assert b.pool.used_pages == used
+        assert torch.equal(bits(dst_layers[0]), bits(before))
+    finally:
+        a.close()
+        b.close()

@@ -120,6 +120,7 @@ cacheserver.port: cacheserver.ports.zmq
 cacheserver.metrics_port: cacheserver.ports.metrics
 cacheserver.lm_enabled: cacheserver.lm.enabled
 cacheserver.lm_port: cacheserver.lm.port
+cacheserver.data_port: cacheserver.ports.data
 cacheserver.spill_path: cacheserver.spill
 bridge.host: "the chart (0.0.0.0)"
 bridge.port: bridge.ports.http
@@ -220,7 +221,7 @@ IP, the PD role) come from KVMESH_* variables set on the pods (kvmesh.engineEnv)
 {{- if and (hasKey $engineIn "hash_algorithm") (not (hasKey $lookupIn "hash_algorithm")) -}}
 {{- $_ := set $lookup "hash_algorithm" $engineIn.hash_algorithm -}}
 {{- end -}}
-{{- $cacheserver := dict "host" "0.0.0.0" "port" (int $v.cacheserver.ports.zmq) "metrics_port" (int $v.cacheserver.ports.metrics) "lm_enabled" $v.cacheserver.lm.enabled "lm_port" (int $v.cacheserver.lm.port) -}}
+{{- $cacheserver := dict "host" "0.0.0.0" "port" (int $v.cacheserver.ports.zmq) "metrics_port" (int $v.cacheserver.ports.metrics) "lm_enabled" $v.cacheserver.lm.enabled "lm_port" (int $v.cacheserver.lm.port) "data_port" (int $v.cacheserver.ports.data) -}}
 {{- if $v.cacheserver.spill.enabled -}}
 {{- $_ := set $cacheserver "spill_path" (include "kvmesh.spillDir" .) -}}
 {{- end -}}

@@ -80,6 +80,16 @@ class HostTier:
             if obj is not None:
                 return obj
 
+    def try_allocate(
+        self, shape: torch.Size | Sequence[int], dtype: torch.dtype, fmt: MemoryFormat
+    ) -> MemoryObj | None:
+        """`allocate` without the wait, for a caller on an event loop: a free page, or
+        one that evicting makes, else None."""
+        while True:
+            obj = self.pool.allocate(shape, dtype, fmt)
+            if obj is not None or not self._evict(1):
+                return obj
+
     def allocate_free(
         self, n: int, shape: torch.Size | Sequence[int], dtype: torch.dtype, fmt: MemoryFormat
     ) -> list[MemoryObj] | None:

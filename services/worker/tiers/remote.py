@@ -9,8 +9,9 @@
   already on its way, is not sent again; at `max_pending_puts` in flight, or while the
   remote is down, puts are dropped and counted.
 - **Gets** (`aget`, on the engine's loop) have a deadline (`timeout_s`); the value is
-  verified while it is copied into an L1 buffer. Timeouts, errors and failed checks
-  are misses.
+  verified while it is copied into an L1 buffer, or, from a connector that can
+  receive in place (`get_into`: the cache-server's data connections), after it was
+  received straight into one. Timeouts, errors and failed checks are misses.
 - **Lookups** (`batched_contains`) come synchronously from the scheduler's thread, so
   they must be fast and bounded. The tier first answers from its presence cache
   (remote_presence.py: keys it stored, fetched or saw recently); only for the first
@@ -44,9 +45,11 @@ from kvmesh.services.worker.tiers.base import Allocator
 from kvmesh.services.worker.tiers.misses import MissReason, TierMisses
 from kvmesh.services.worker.tiers.remote_codec import (
     available,
-    decode_off_loop,
     decode_or_none,
     encode,
+    finish_placed,
+    off_loop,
+    placement,
 )
 from kvmesh.services.worker.tiers.remote_connector import Connector
 from kvmesh.services.worker.tiers.remote_health import HealthMonitor
@@ -267,17 +270,33 @@ class RemoteTier:
             return None
         self._namespaces.add(key.namespace_id)
         t0 = time.perf_counter()
+        placed: list[MemoryObj] = []  # an L1 buffer the payload was received into
         try:
-            async with asyncio.timeout(self.config.timeout_s):
-                fetched = await self.connector.get(key)
-            # Decoding is local work with no deadline: a buffer it allocates must always
-            # reach the caller (a cancelled thread would leak it).
-            if fetched is None:
-                obj = None
-            elif fetched.header.nbytes >= OFFLOAD_FROM or fetched.header.codec:
-                obj = await decode_off_loop(key, fetched.header, fetched.payload, allocator)
-            else:
-                obj = decode_or_none(key, fetched.header, fetched.payload, allocator)
+            try:
+                async with asyncio.timeout(self.config.timeout_s):
+                    get_into = getattr(self.connector, "get_into", None)
+                    if get_into is not None:
+                        fetched = await get_into(key, placement(key, allocator, placed))
+                    else:
+                        fetched = await self.connector.get(key)
+                # Decoding is local work with no deadline: a buffer it allocates must
+                # always reach the caller (a cancelled thread would leak it).
+                header = fetched.header if fetched is not None else None
+                if header is None:
+                    obj = None
+                elif placed:
+                    target = placed.pop()
+                    if header.nbytes >= OFFLOAD_FROM:
+                        obj = await off_loop(finish_placed, key, header, target)
+                    else:
+                        obj = finish_placed(key, header, target)
+                elif header.nbytes >= OFFLOAD_FROM or header.codec:
+                    obj = await off_loop(decode_or_none, key, header, fetched.payload, allocator)
+                else:
+                    obj = decode_or_none(key, header, fetched.payload, allocator)
+            finally:
+                for unused in placed:  # the get failed after its buffer was given
+                    unused.ref_down()
         except CorruptChunk as exc:
             gets["corrupt"].inc()
             self.misses.inc(MissReason.CHECKSUM)
@@ -323,7 +342,7 @@ class RemoteTier:
             old = fetched.header
             if old.codec == (Codec.NONE if codec is None else codec.id):
                 return "unchanged"
-            obj = await decode_off_loop(key, old, fetched.payload, allocator)
+            obj = await off_loop(decode_or_none, key, old, fetched.payload, allocator)
             if obj is None:
                 return "failed"
             header, packed, payload = await asyncio.to_thread(

@@ -17,6 +17,8 @@ compresses much losslessly, so it is off by default.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -28,6 +30,7 @@ from kvmesh.common.chunk_codec import (
     Payload,
     check_key,
     check_stored,
+    chunk_bytes,
 )
 from kvmesh.common.codecs import Codec as ChunkCodec
 from kvmesh.common.codecs import codec_by_id
@@ -80,7 +83,14 @@ def decode_into(
     obj = allocator.allocate(torch.Size(header.shape), header.dtype, header.fmt)
     if obj is None:
         return None
+    return _filled(key, header, payload, obj)
+
+
+def _filled(key: ChunkKey, header: ChunkHeader, payload: Payload, obj: MemoryObj) -> MemoryObj:
+    """obj holding the chunk decoded from payload, checked; on any failure obj is
+    released and the error raised."""
     try:
+        check_key(header, key)
         checksum = decode_chunk(header, payload, obj)
     except BaseException:
         obj.ref_down()
@@ -103,13 +113,48 @@ def decode_or_none(
         return None
 
 
-async def decode_off_loop(
-    key: ChunkKey, header: ChunkHeader, payload: Payload, allocator: Allocator
-) -> MemoryObj | None:
-    """`decode_or_none` on a worker thread (copy, checksum and decompression of a large
-    chunk would stall the event loop). A caller cancelled meanwhile does not leak the
+def placement(key: ChunkKey, allocator: Allocator, placed: list[MemoryObj]):
+    """A `place(header, nbytes)` for a connector's get_into: an uncompressed chunk of
+    key gets a new buffer from allocator (appended to placed: the caller owns it and
+    must pass it to `finish_placed` or release it); anything else gets None (the
+    connector then receives into its own buffer and the chunk is decoded as usual).
+    A header naming another key is CorruptChunk before a byte is received.
+
+    place runs on the event loop, so it takes a buffer only if one is there without
+    waiting (the L1's `try_allocate`); a full L1 whose pages are all in use gets None,
+    and the decode that follows waits for a page on a worker thread."""
+    allocate = getattr(allocator, "try_allocate", allocator.allocate)
+
+    def place(header: ChunkHeader, nbytes: int) -> memoryview | None:
+        check_key(header, key)
+        if header.codec is not Codec.NONE or nbytes != header.nbytes:
+            return None
+        try:
+            obj = allocate(torch.Size(header.shape), header.dtype, header.fmt)
+        except Exception:  # no room (AllocationError and the like): decoded later, or not
+            return None
+        if obj is None:
+            return None
+        if obj.nbytes != nbytes:
+            obj.ref_down()
+            return None
+        placed.append(obj)
+        return chunk_bytes(obj)
+
+    return place
+
+
+def finish_placed(key: ChunkKey, header: ChunkHeader, obj: MemoryObj) -> MemoryObj:
+    """obj, whose bytes were received in place, once its length and checksum match
+    header; CorruptChunk (and obj released) otherwise."""
+    return _filled(key, header, chunk_bytes(obj), obj)
+
+
+async def off_loop(fn: Callable[..., MemoryObj | None], *args: Any) -> MemoryObj | None:
+    """fn(*args) on a worker thread (copy, checksum and decompression of a large chunk
+    would stall the event loop). A caller cancelled meanwhile does not leak the
     buffer: the thread's result is released when it arrives."""
-    work = asyncio.ensure_future(asyncio.to_thread(decode_or_none, key, header, payload, allocator))
+    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
     try:
         return await asyncio.shield(work)
     except asyncio.CancelledError:

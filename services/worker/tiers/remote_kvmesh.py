@@ -1,15 +1,17 @@
 """`kvmesh://host:port`: the cache-server, through its asyncio client.
 
 The chunk header rides in the value's meta and the payload is the value itself, so
-neither side copies the payload into a bigger buffer; a large value arrives in parts,
-which the reader copies straight into its L1 buffer. Keys are `key_prefix +
+neither side copies the payload into a bigger buffer. Gets go over the server's data
+connections when it offers them (`get_into`: the payload is received straight into the
+L1 buffer), else over ZMQ, where a large value arrives in parts, which the reader
+copies straight into its L1 buffer. Keys are `key_prefix +
 ChunkKey.to_str()`. The client notices a lost connection at once (socket monitor),
 which the tier's health monitor reads through `connected()`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvmesh.common.chunk_codec import VALUE_LAYOUT, ChunkHeader
@@ -25,6 +27,9 @@ CLEAR_PAGE = 1000
 # 8 MiB parts are reused heap memory after the first (benchmarks.remote: 32 MiB gets
 # ~1.5x faster).
 VALUE_PART_BYTES = 8 << 20
+# Data connections (common/protocol/cacheserver_data.py): one per get in flight; a
+# retrieve issues one get per chunk of its prefix.
+DATA_CONNECTIONS = 8
 
 
 class KvmeshConnector:
@@ -73,6 +78,7 @@ class KvmeshConnector:
                 timeout_s=self.timeout_s,
                 curve=self.curve,
                 value_part_bytes=VALUE_PART_BYTES,
+                data_connections=DATA_CONNECTIONS,
             )
             await self.client.connect()
         else:
@@ -89,6 +95,23 @@ class KvmeshConnector:
         if value is None:
             return None
         return Fetched(VALUE_LAYOUT.parse(value.meta), value.data, value)
+
+    async def get_into(
+        self, key: ChunkKey, place: Callable[[ChunkHeader, int], memoryview | None]
+    ) -> Fetched | None:
+        """A get whose payload lands in place(header, nbytes)'s buffer when the value
+        comes over a data connection; over ZMQ, place is not called."""
+        headers: list[ChunkHeader] = []
+
+        def on_meta(meta: bytes, nbytes: int) -> memoryview | None:
+            headers.append(VALUE_LAYOUT.parse(meta))
+            return place(headers[0], nbytes)
+
+        value = await self._client().get_into(self._name(key), on_meta)
+        if value is None:
+            return None
+        header = headers[0] if headers else VALUE_LAYOUT.parse(value.meta)
+        return Fetched(header, value.data, value)
 
     async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
         return await self._client().exists_many([self._name(k) for k in keys])

@@ -4,6 +4,7 @@ kind of damage caught as CorruptChunk (never wrong bytes)."""
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 import torch
@@ -160,3 +161,44 @@ def test_damage_in_parts_is_caught_and_nothing_leaks(pool, how: str) -> None:
         decode_into(KEY, header, parts, pool)
     assert pool.free_pages == free_before
     src.ref_down()
+
+
+def test_placement_takes_an_l1_page_only_when_one_is_there_at_once(pool) -> None:
+    # place() runs on the engine's event loop: with every page held elsewhere it must
+    # answer None at once (the decode that follows waits on a thread), not wait out
+    # the L1's alloc_timeout_s.
+    from kvmesh.common.chunk_codec import chunk_bytes
+    from kvmesh.services.worker.tiers.host import HostTier
+    from kvmesh.services.worker.tiers.remote_codec import finish_placed, placement
+
+    small = HostMemoryPool(2 * 64 * 1024, 64 * 1024, pin_memory=False)
+    tier = HostTier(small, alloc_timeout_s=5.0)
+    src = chunk(pool)
+    header, _, payload = encode(KEY, src)
+    held = [small.allocate(torch.Size(SHAPE), torch.float16, MemoryFormat.KV_2LTD)]
+    held.append(small.allocate(torch.Size(SHAPE), torch.float16, MemoryFormat.KV_2LTD))
+    placed: list = []
+    place = placement(KEY, tier, placed)
+    t0 = time.monotonic()
+    assert place(header, header.nbytes) is None and placed == []
+    assert time.monotonic() - t0 < 1.0
+    held.pop().ref_down()
+    view = place(header, header.nbytes)
+    assert view is not None and view.nbytes == header.nbytes and len(placed) == 1
+    view[:] = payload
+    obj = finish_placed(KEY, header, placed.pop())
+    assert torch.equal(obj.raw, src.raw) and obj.checksum == header.checksum
+    # Damaged in place: CorruptChunk, and the page goes back.
+    obj.ref_down()
+    placed = []
+    view = placement(KEY, tier, placed)(header, header.nbytes)
+    view[:] = payload
+    view[7] ^= 1
+    with pytest.raises(CorruptChunk):
+        finish_placed(KEY, header, placed.pop())
+    assert small.free_pages == 1
+    # A header naming another key never gets a buffer.
+    other, _, _ = encode(OTHER, src)
+    with pytest.raises(CorruptChunk):
+        placement(KEY, tier, placed)(other, other.nbytes)
+    assert placed == [] and chunk_bytes(held[0]).nbytes == header.nbytes
