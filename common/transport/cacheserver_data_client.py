@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import ipaddress
 import socket
 from collections.abc import Callable
 
@@ -59,6 +60,7 @@ class DataConnections:
         self.max_payload = max_payload
         self._slots = asyncio.Semaphore(size)
         self._idle: list[socket.socket] = []
+        self._addr: tuple[int, tuple] | None = None
         self._closed = False
 
     def close(self) -> None:
@@ -89,16 +91,36 @@ class DataConnections:
                     else:
                         sock.close()
 
+    async def _address(self) -> tuple[int, tuple]:
+        """(family, address) of the data port, resolved once per hello. A name is
+        looked up on the loop's executor threads, which a resolver that cannot reach
+        its DNS server holds for seconds: while the cache-server restarts, one lookup
+        per get would take every executor thread the engine's decodes need."""
+        if self._addr is None:
+            try:
+                ip = ipaddress.ip_address(self.host)
+            except ValueError:
+                loop = asyncio.get_running_loop()
+                try:
+                    async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                        infos = await loop.getaddrinfo(
+                            self.host, self.port, type=socket.SOCK_STREAM
+                        )
+                except OSError as exc:  # TimeoutError included
+                    why = str(exc) or f"no answer within {CONNECT_TIMEOUT_S}s"
+                    raise DataConnectError(f"resolving {self.host}: {why}") from None
+                self._addr = (infos[0][0], infos[0][4])
+            else:
+                family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+                self._addr = (family, (self.host, self.port))
+        return self._addr
+
     async def _connect(self) -> socket.socket:
         if self._closed:
             raise DataConnectError("data connections closed")
         loop = asyncio.get_running_loop()
-        try:
-            infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
-        except OSError as exc:
-            raise DataConnectError(f"data port {self.host}:{self.port}: {exc}") from None
-        family, kind, proto, _, addr = infos[0]
-        sock = socket.socket(family, kind, proto)
+        family, addr = await self._address()
+        sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
             # Its own short deadline: a port that drops packets (a firewall, a Service
