@@ -15,6 +15,13 @@ packed header and the payload it is given, and `get` answers them back as a Fetc
 header as given, or parsed back from the packed bytes; the tier verifies the checksum,
 so a store that corrupts a value yields a miss, never wrong KV).
 
+Optional: `get_into(key, place)`, a get that can receive the payload in place. Once
+the header is known it calls `place(header, nbytes)`, which returns a writable buffer
+of nbytes (an L1 page) or None; when it returns a buffer, the Fetched's payload must be
+that buffer, and nothing may be written into it after get_into returns or raises. The
+tier uses it when a connector has it (the cache-server's data connections) and verifies
+the chunk in place; a connector without it is read through `get`.
+
 A connector's coroutines run on the engine's event loop; the tier applies deadlines
 around them and treats any exception as a failed request (a miss).
 """
