@@ -21,6 +21,7 @@ from collections.abc import Callable
 from kvmesh.common.config import CacheServerConfig
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import cacheserver_data as data
+from kvmesh.common.protocol.cacheserver import MAX_KEY_BYTES
 from kvmesh.services.cacheserver.handlers import Handlers, RequestError, check_key
 from kvmesh.services.cacheserver.stats import ServerStats
 
@@ -169,6 +170,9 @@ class DataListener:
         if op != data.OP_GET:
             self.stats.data_requests["invalid"].inc()
             raise _Close(f"unknown op {op}")
+        if not 0 < key_len <= MAX_KEY_BYTES:  # refused before reading what could not be a key
+            self.stats.data_requests["invalid"].inc()
+            raise _Close(f"not a valid key: {key_len} bytes (1-{MAX_KEY_BYTES})")
         raw = await reader.take(key_len, timeout_s)
         if raw is None:
             raise _Close("request truncated")

@@ -173,8 +173,9 @@ def test_data_listener_survives_fuzzed_connections(server: CacheServerProcess) -
 
     loop = asyncio.new_event_loop()
     client = loop.run_until_complete(probe_client())
-    assert client.data_path and client._data is not None
-    token = client._data.token
+    hello = loop.run_until_complete(client.hello())
+    assert client.data_path and hello.data_port > 0
+    token, port = hello.data_token, hello.data_port
     watched = Watched(server)
     n = itertools.count(1)
 
@@ -190,7 +191,6 @@ def test_data_listener_survives_fuzzed_connections(server: CacheServerProcess) -
         loop.run_until_complete(probe(next(n)))
         watched.check()
 
-    port = client._data.port
     try:
         fuzz_for("cacheserver data", data_conversations(token), run_batch, FUZZ_SECONDS / 4)
     finally:
