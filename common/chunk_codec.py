@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 import os
 import struct
 from collections.abc import Callable, Sequence
@@ -73,6 +72,7 @@ from typing import TypeAlias
 import torch
 import xxhash
 
+from kvmesh.common import xxh3_native
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import MemoryFormat, MemoryObj
 
@@ -118,17 +118,10 @@ CODECS = {"none": Codec.NONE, "zstd": Codec.ZSTD, "lz4": Codec.LZ4, "cachegen": 
 
 
 def _native_xxh3() -> Callable[[int | bytes, int], int] | None:
-    """XXH3_64bits(address, length) through ctypes (no GIL held), if it can be found:
-    exported by the xxhash module's own extension, or the system's libxxhash. Used only
-    if it agrees with the xxhash module."""
-    candidates = [getattr(getattr(xxhash, "_xxhash", None), "__file__", None)]
-    candidates.append(ctypes.util.find_library("xxhash"))
+    """XXH3_64bits(address, length) through ctypes (no GIL held), if it can be found
+    (common/xxh3_native.py). Used only if it agrees with the xxhash module."""
     probe = bytes(range(256)) * 5
-    for lib in filter(None, candidates):
-        try:
-            fn = ctypes.CDLL(lib).XXH3_64bits
-        except (OSError, AttributeError):
-            continue
+    for fn in xxh3_native.symbols("XXH3_64bits"):
         fn.restype = ctypes.c_uint64
         fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
         if fn(probe, len(probe)) == xxhash.xxh3_64_intdigest(probe):

@@ -422,6 +422,34 @@ def test_native_chain_is_built() -> None:
     assert tokendb._chain_hash is not None
 
 
+def test_native_chain_uses_the_fastest_agreeing_xxh3() -> None:
+    """The helper hashes with the xxhash module's XXH3_128bits (faster than the system
+    library's here), gives the same chain with either, and refuses a function that
+    disagrees on the probe."""
+    import ctypes
+
+    from kvmesh.common import xxh3_native
+
+    helper = tokendb._chain_hash
+    found = [ctypes.cast(f, ctypes.c_void_p).value for f in xxh3_native.symbols("XXH3_128bits")]
+    assert len(found) == 2  # the module's build, then libxxhash
+    module_fn, system_fn = found
+    probe = bytes(range(256)) * 5
+    good = xxhash.xxh3_128_digest(probe)
+    database = db(chunk_size=256)
+    tokens = list(range(100_000, 100_000 + 256 * 5))
+    try:
+        assert helper.use_xxh3_128(system_fn, probe, good)
+        by_system = database.chunk_hashes(tokens)
+        assert not helper.use_xxh3_128(module_fn, probe, bytes(16))  # disagrees: kept
+        assert database.chunk_hashes(tokens) == by_system
+        assert not helper.use_xxh3_128(0, probe, good)
+        assert helper.use_xxh3_128(module_fn, probe, good)
+        assert database.chunk_hashes(tokens) == by_system == expected_chain(tokens, 256, False)
+    finally:
+        assert tokendb._faster_xxh3(helper)  # what the import did: the module's first
+
+
 def python_only(fn, *args):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tokendb, "_chain_hash", None)
