@@ -7,7 +7,7 @@ takes its own reference on the object for as long as it needs the bytes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -18,11 +18,27 @@ from kvmesh.common.memory import MemoryFormat, MemoryObj
 
 @runtime_checkable
 class Allocator(Protocol):
-    """Where a lower tier puts the bytes it reads (the L1 pool, evicting as needed)."""
+    """Where a lower tier puts the bytes it reads (the L1 pool, evicting as needed).
+
+    An allocator may also offer `try_allocate` (same arguments): a page only if one is
+    there without waiting. Code on an event loop allocates through `without_wait`."""
 
     def allocate(
         self, shape: torch.Size, dtype: torch.dtype, fmt: MemoryFormat
     ) -> MemoryObj | None: ...
+
+
+class _NoWait:
+    def __init__(self, allocate: Callable[..., MemoryObj | None]) -> None:
+        self.allocate = allocate
+
+
+def without_wait(allocator: Allocator) -> Allocator:
+    """allocator for code on the event loop: its `try_allocate` where it has one (the
+    L1, whose `allocate` waits up to alloc_timeout_s for a page in use elsewhere to come
+    back); an allocator without one (a bare pool) never waits anyway."""
+    allocate = getattr(allocator, "try_allocate", None)
+    return allocator if allocate is None else _NoWait(allocate)
 
 
 @runtime_checkable

@@ -35,7 +35,7 @@ from kvmesh.common.protocol.p2p import ChunkMeta
 from kvmesh.common.transport.channel import Landed, PeerError, TransferChannel
 from kvmesh.services.worker.loop_thread import LoopThread
 from kvmesh.services.worker.peer_locator import PeerLocator
-from kvmesh.services.worker.tiers.base import Allocator
+from kvmesh.services.worker.tiers.base import Allocator, without_wait
 from kvmesh.services.worker.tiers.misses import MissReason, TierMisses
 from kvmesh.services.worker.tiers.p2p_stats import P2PStats
 
@@ -221,10 +221,14 @@ class P2PTier:
     def _alloc_fn(
         self, allocator: Allocator, reasons: Reasons | None = None
     ) -> Callable[[ChunkMeta], MemoryObj | None]:
+        # Channels call this on the event loop: a page must be there at once (an L1
+        # whose pages are all in use would otherwise hold the loop for alloc_timeout_s).
+        allocate = without_wait(allocator).allocate
+
         def alloc(meta: ChunkMeta) -> MemoryObj | None:
             try:
                 dtype = dtype_from_name(meta.dtype)
-                obj = allocator.allocate(tuple(meta.shape), dtype, MemoryFormat(meta.fmt))
+                obj = allocate(tuple(meta.shape), dtype, MemoryFormat(meta.fmt))
             except Exception as exc:  # full L1, or a description we cannot build
                 log.info("no buffer for a peer chunk", key=meta.key, error=repr(exc))
                 obj = None

@@ -41,7 +41,7 @@ from kvmesh.common.observability import Metrics, get_logger
 from kvmesh.common.recent_keys import RecentKeys
 from kvmesh.common.transport.cacheserver_errors import CacheServerUnavailable
 from kvmesh.services.worker.loop_thread import LoopThread
-from kvmesh.services.worker.tiers.base import Allocator
+from kvmesh.services.worker.tiers.base import Allocator, without_wait
 from kvmesh.services.worker.tiers.misses import MissReason, TierMisses
 from kvmesh.services.worker.tiers.remote_codec import (
     available,
@@ -293,7 +293,13 @@ class RemoteTier:
                 elif header.nbytes >= OFFLOAD_FROM or header.codec:
                     obj = await off_loop(decode_or_none, key, header, fetched.payload, allocator)
                 else:
-                    obj = decode_or_none(key, header, fetched.payload, allocator)
+                    # Small: decoded here while a page is free at once; when the L1
+                    # must wait for one, the wait happens on a thread, not the loop.
+                    obj = decode_or_none(key, header, fetched.payload, without_wait(allocator))
+                    if obj is None:
+                        obj = await off_loop(
+                            decode_or_none, key, header, fetched.payload, allocator
+                        )
             finally:
                 for unused in placed:  # the get failed after its buffer was given
                     unused.ref_down()

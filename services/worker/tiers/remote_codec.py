@@ -37,7 +37,7 @@ from kvmesh.common.codecs import codec_by_id
 from kvmesh.common.codecs.stored import decode_chunk, encode_chunk
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import MemoryObj
-from kvmesh.services.worker.tiers.base import Allocator
+from kvmesh.services.worker.tiers.base import Allocator, without_wait
 
 # -- compression ----------------------------------------------------------------------------
 
@@ -121,9 +121,9 @@ def placement(key: ChunkKey, allocator: Allocator, placed: list[MemoryObj]):
     A header naming another key is CorruptChunk before a byte is received.
 
     place runs on the event loop, so it takes a buffer only if one is there without
-    waiting (the L1's `try_allocate`); a full L1 whose pages are all in use gets None,
-    and the decode that follows waits for a page on a worker thread."""
-    allocate = getattr(allocator, "try_allocate", allocator.allocate)
+    waiting (`without_wait`); a full L1 whose pages are all in use gets None, and the
+    decode that follows waits for a page on a worker thread."""
+    allocate = without_wait(allocator).allocate
 
     def place(header: ChunkHeader, nbytes: int) -> memoryview | None:
         check_key(header, key)

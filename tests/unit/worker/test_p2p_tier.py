@@ -104,6 +104,33 @@ def test_aget_without_a_peer_is_a_miss(loop) -> None:
     assert t.stats.metrics.value("p2p_gets_total", {"result": "no_peer"}) == 1
 
 
+def test_a_full_l1_is_a_miss_at_once_not_a_wait_on_the_loop(loop) -> None:
+    # Channels allocate landing buffers on the engine's event loop: with every L1 page
+    # in use elsewhere the allocation answers None at once (counted), instead of holding
+    # the loop for the L1's alloc_timeout_s.
+    from kvmesh.services.worker.tiers.host import HostTier
+
+    t = tier(loop, None)
+    pool = HostMemoryPool(2 * 4096, page_size=4096, reserve_bytes=0)
+    l1 = HostTier(pool, alloc_timeout_s=3.0)
+    held = [pool.allocate((1024,), torch.float32, MemoryFormat.KV_2LTD) for _ in range(2)]
+    try:
+        alloc = t._alloc_fn(l1)
+        meta = proto.ChunkMeta(KEYS[0].to_str(), 4096, 0, [1024], "float32", 1)
+        t0 = time.monotonic()
+        assert alloc(meta) is None
+        assert time.monotonic() - t0 < 0.5
+        assert t.stats.metrics.value("p2p_gets_total", {"result": "no_memory"}) == 1
+        held.pop().ref_down()
+        obj = alloc(meta)
+        assert obj is not None and obj.nbytes == 4096
+        obj.ref_down()
+    finally:
+        for obj in held:
+            obj.ref_down()
+        pool.close()
+
+
 # -- the protocol ---------------------------------------------------------------------------
 
 

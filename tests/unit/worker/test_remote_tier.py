@@ -354,3 +354,36 @@ def test_fs_remote_on_a_missing_directory_is_down_not_fatal(tmp_path: Path) -> N
         assert remote.wait_ready(3)
     finally:
         eng.close()
+
+
+def test_a_small_get_waits_for_a_page_off_the_loop(setup) -> None:
+    """A small uncompressed value is decoded on the loop only while an L1 page is free
+    at once; with every page held elsewhere, the wait for one (up to the L1's
+    alloc_timeout_s) happens on a thread, and the loop keeps serving meanwhile."""
+    from kvmesh.services.worker.tiers.host import HostTier
+
+    make, _conn, pool = setup
+    tier = make()
+    obj = chunk(pool, 7)
+    tier.submit_put(key(7), obj)
+    assert tier.flush(2)
+    small = HostMemoryPool(obj.nbytes, obj.nbytes, pin_memory=False)
+    l1 = HostTier(small, alloc_timeout_s=3.0)
+    held = small.allocate(obj.shape, obj.dtype, obj.fmt)  # the only page, in use
+    try:
+        get = tier._loop.submit(tier.aget(key(7), l1))
+        time.sleep(0.2)  # the get has its value and waits for a page
+        t0 = time.monotonic()
+        assert tier._loop.run(asyncio.sleep(0), 2.0) is None
+        assert time.monotonic() - t0 < 0.5, "the event loop was blocked by the wait"
+        assert not get.done()
+        held.ref_down()
+        held = None
+        got = get.result(timeout=3)
+        assert got is not None and torch.equal(got.raw, obj.raw)
+        got.ref_down()
+    finally:
+        if held is not None:
+            held.ref_down()
+        obj.ref_down()
+        small.close()
