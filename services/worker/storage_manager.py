@@ -17,7 +17,7 @@ from kvmesh.common.memory import MemoryObj
 from kvmesh.common.observability import get_logger
 from kvmesh.services.worker.events import KVEventBuffer, KVEventKind
 from kvmesh.services.worker.loop_thread import LoopThread
-from kvmesh.services.worker.tiers.base import Tier
+from kvmesh.services.worker.tiers.base import Allocator, Tier, without_wait
 from kvmesh.services.worker.tiers.host import HostTier
 from kvmesh.services.worker.tiers.misses import MissReason, TierMisses
 
@@ -39,6 +39,12 @@ class StorageManager:
     ) -> None:
         self.l1 = l1
         self.lower = list(lower)
+        # What each lower tier's aget allocates from (tiers/base.py: allocation on the
+        # event loop never waits, unless the tier waits on its own threads).
+        self._allocators: dict[int, Allocator] = {
+            id(t): l1 if getattr(t, "waits_for_pages", False) else without_wait(l1)
+            for t in self.lower
+        }
         self._loop = loop
         self._events = events
         self._io_timeout_s = io_timeout_s
@@ -193,7 +199,7 @@ class StorageManager:
         for tier in self.lower:
             try:
                 async with self._io_slots:
-                    obj = await tier.aget(key, self.l1)
+                    obj = await tier.aget(key, self._allocators[id(tier)])
             except asyncio.CancelledError:
                 if deadline is not None and time.monotonic() >= deadline:
                     _count_miss(tier, MissReason.TIMEOUT)

@@ -3,6 +3,14 @@
 Reference convention: a tier that hands out a MemoryObj (`get`) has taken one
 reference for the caller, who drops it with `ref_down()` when done. `submit_put`
 takes its own reference on the object for as long as it needs the bytes.
+
+Allocation on the event loop: the engine's `aget` calls hand a tier an allocator that
+never waits (`without_wait(L1)`: a full L1 whose pages are all in use answers None,
+a miss), since a wait there would stall every request on the loop. A tier that
+allocates only on its own threads, where waiting for a page is fine, sets the class
+attribute `waits_for_pages = True` and is given the L1 itself (the disk tier reads on
+its I/O threads; the remote tier waits off the loop and wraps its on-loop allocations
+in `without_wait`).
 """
 
 from __future__ import annotations

@@ -5,13 +5,15 @@ and a load abandoned before its deadline (a prefetch released) no miss at all.""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import pytest
+import torch
 from kvtest.waiting import wait_for
 
 from kvmesh.common.keys import ChunkKey
-from kvmesh.common.memory import HostMemoryPool
+from kvmesh.common.memory import HostMemoryPool, MemoryFormat
 from kvmesh.common.observability import Metrics
 from kvmesh.services.worker.events import KVEventBuffer
 from kvmesh.services.worker.loop_thread import LoopThread
@@ -95,3 +97,52 @@ def test_an_abandoned_load_is_no_miss(parts) -> None:
     wait_for(lambda: fut.cancelled(), 5, "the prefetch cancelled")
     loop.run(asyncio.sleep(0.05), 5)  # the cancellations have run
     assert counts(metrics, "stall") == {}
+
+
+class AllocatingTier:
+    """A lower tier that allocates on the loop, as a plugin may (tiers/base.py)."""
+
+    name = "alloc"
+
+    def __init__(self, metrics: Metrics, waits_for_pages: bool = False) -> None:
+        self.misses = TierMisses(self.name, metrics)
+        self.waits_for_pages = waits_for_pages
+        self.allocators: list[object] = []
+
+    async def aget(self, key, allocator):
+        self.allocators.append(allocator)
+        return allocator.allocate((1024,), torch.float32, MemoryFormat.BINARY)
+
+    def close(self) -> None:
+        return None
+
+
+def test_tiers_get_an_allocator_that_never_waits_on_the_loop() -> None:
+    # Every L1 page held elsewhere: a tier's allocation on the loop answers None at once
+    # (a miss), where the L1's own allocate would hold the loop for alloc_timeout_s.
+    metrics = Metrics()
+    pool = HostMemoryPool(2 * 4096, page_size=4096)
+    loop = LoopThread("alloc-test")
+    l1 = HostTier(pool, metrics=metrics, alloc_timeout_s=3.0)
+    held = [pool.allocate((1024,), torch.float32, MemoryFormat.BINARY) for _ in range(2)]
+    try:
+        tier = AllocatingTier(metrics)
+        sm = manager(l1, tier, loop, timeout_s=5.0)
+        t0 = time.monotonic()
+        assert sm.get_prefix(KEYS[:1]) == ([], [])
+        assert time.monotonic() - t0 < 1.0
+        assert tier.allocators and tier.allocators[0] is not l1
+        # A tier that waits on its own threads says so, and gets the L1 itself.
+        own = AllocatingTier(metrics, waits_for_pages=True)
+        assert manager(l1, own, loop)._allocators[id(own)] is l1
+        # A page back: the same tier's get lands.
+        held.pop().ref_down()
+        objs, names = sm.get_prefix(KEYS[:1])
+        assert names == ["alloc"] and objs[0].nbytes == 4096
+        objs[0].ref_down()
+    finally:
+        for obj in held:
+            obj.ref_down()
+        loop.stop()
+        l1.close()
+        pool.close()

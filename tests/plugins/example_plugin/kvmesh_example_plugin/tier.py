@@ -6,6 +6,7 @@ match, as every kvmesh tier must: a plugin never hands back wrong KV.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -81,7 +82,8 @@ class MemDictTier:
         return obj
 
     async def aget(self, key: ChunkKey, allocator: Allocator) -> MemoryObj | None:
-        return self.get(key, allocator)
+        # The checksum and the copy are per-byte work: a thread, not the engine's loop.
+        return await asyncio.to_thread(self.get, key, allocator)
 
     def remove(self, key: ChunkKey) -> bool:
         with self._lock:
