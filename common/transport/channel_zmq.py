@@ -6,6 +6,7 @@ Works between any two hosts that can open a TCP connection; costs a copy on each
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 
@@ -16,6 +17,19 @@ from kvmesh.common.protocol import p2p as proto
 from kvmesh.common.transport.channel import AllocFn, Landed, LandedFn, Piece
 from kvmesh.common.transport.chunk_regions import layer_regions
 from kvmesh.common.transport.peer_conn import PeerConnections, PeerError
+
+# Below this many bytes a read's landing copies run on the loop (a thread hop costs more).
+COPY_ON_LOOP_BELOW = 1 << 20
+
+
+def _copy_frames(landed: list[Landed], frames: list[memoryview]) -> None:
+    for (_, obj), buf in zip(landed, frames, strict=True):
+        obj.raw.numpy()[:] = np.frombuffer(buf, dtype=np.uint8)
+
+
+def _release(landed: list[Landed]) -> None:
+    for _, obj in landed:
+        obj.ref_down()
 
 
 class ZmqChannel:
@@ -35,7 +49,8 @@ class ZmqChannel:
         timeout_s: float,
         on_landed: LandedFn | None = None,
     ) -> list[Landed]:
-        # on_landed is not called: the copies run on the loop, nothing to overlap with.
+        # on_landed is not called: the bytes are all here before the first copy, so
+        # there is no transfer for a check to overlap with.
         conn = self._conns.get(endpoint)
         msg = proto.ReadChunks(
             conn.next_rid(), proto.PROTOCOL_VERSION, list(keys), time.time() + timeout_s
@@ -45,6 +60,7 @@ class ZmqChannel:
             self._conns.drop(endpoint)
             raise PeerError(f"unexpected reply to read: {type(reply).__name__}")
         landed: list[Landed] = []
+        frames: list[memoryview] = []
         try:
             for meta, frame in zip(reply.chunks, payloads, strict=True):
                 buf = frame.buffer
@@ -56,10 +72,24 @@ class ZmqChannel:
                 if obj is None:
                     break  # no room: what landed so far is still good
                 landed.append((meta, obj))
-                obj.raw.numpy()[:] = np.frombuffer(buf, dtype=np.uint8)
+                frames.append(buf)
         except Exception:
-            for _, obj in landed:
-                obj.ref_down()
+            _release(landed)
+            raise
+        if sum(meta.nbytes for meta, _ in landed) < COPY_ON_LOOP_BELOW:
+            _copy_frames(landed, frames)
+            return landed
+        # Copying a batch of large chunks takes milliseconds per chunk: on a thread,
+        # so the loop serves everything else meanwhile.
+        copying = asyncio.ensure_future(asyncio.to_thread(_copy_frames, landed, frames))
+        try:
+            await asyncio.shield(copying)
+        except asyncio.CancelledError:
+            # The thread may still be writing into the buffers: free them after it.
+            copying.add_done_callback(lambda _: _release(landed))
+            raise
+        except Exception:
+            _release(landed)
             raise
         return landed
 
