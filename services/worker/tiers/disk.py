@@ -121,7 +121,7 @@ class DiskTier:
     """The L3 tier over one directory; every method may be called from any thread."""
 
     name = "disk"
-    waits_for_pages = True  # allocates on its own threads (tiers/base.py)
+    waits_for_pages = True  # allocates on its I/O threads (tiers/base.py)
 
     def __init__(
         self,

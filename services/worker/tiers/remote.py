@@ -69,7 +69,7 @@ class RemoteTier:
     """The L4 tier; every method may be called from any thread (see module doc)."""
 
     name = "remote"
-    waits_for_pages = True  # allocates on its own threads (tiers/base.py)
+    waits_for_pages = True  # waits for an L1 page only off the loop (tiers/base.py)
 
     def __init__(
         self,
