@@ -19,7 +19,15 @@ from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import cacheserver as proto
 from kvmesh.common.protocol.cacheserver import ErrorCode
 from kvmesh.services.cacheserver.stats import ServerStats
-from kvmesh.services.cacheserver.store import Entry, MemoryStore, StoreError, make_entry
+from kvmesh.services.cacheserver.store import (
+    HASH_OFF_LOOP_FROM,
+    Entry,
+    MemoryStore,
+    StoreError,
+    checksums_off_loop,
+    make_entry,
+    value_view,
+)
 
 log = get_logger(__name__)
 
@@ -79,10 +87,13 @@ class Handlers:
         self.request_timeout_s = request_timeout_s
         self.started = started
         self._connections = connections
-        # Handlers that may wait for the spill, used when `suspends(msg)`.
+        # Handlers that may wait (for the spill, or a large value's checksum on a
+        # thread), used when `suspends(msg, values)`.
         self.async_table: dict[type, AsyncHandler] = {
             proto.GetValue: self.aget,
             proto.GetValues: self.aget_many,
+            proto.PutValue: self.aput,
+            proto.PutValues: self.aput_many,
         }
         self.table: dict[type, Handler] = {
             proto.PutValue: self.put,
@@ -98,36 +109,52 @@ class Handlers:
             proto.CheckHealth: self.health,
         }
 
-    def suspends(self, msg: Any) -> bool:
-        """Whether handling msg may wait for disk (so it should run as a task)."""
+    def suspends(self, msg: Any, values: list[Any]) -> bool:
+        """Whether handling msg may wait (for disk, or to hash large values on a
+        thread), so it should run as a task."""
         if isinstance(msg, proto.GetValue):
             return self.store.needs_disk(msg.key)
         if isinstance(msg, proto.GetValues):
             return any(self.store.needs_disk(k) for k in msg.keys)
+        if isinstance(msg, proto.PutValue | proto.PutValues):
+            return sum(value_view(v).nbytes for v in values) >= HASH_OFF_LOOP_FROM
         return False
 
     # -- storing ------------------------------------------------------------------------
-    def _store(self, key: str, frame: Any, meta: bytes, checksum: int | None) -> Entry:
+    def _store(
+        self, key: str, frame: Any, meta: bytes, checksum: int | None, actual: int | None
+    ) -> Entry:
         check_key(key)
         if len(meta) > proto.MAX_META_BYTES:
             raise RequestError(
                 ErrorCode.BAD_MESSAGE, f"meta of {len(meta)} bytes (max {proto.MAX_META_BYTES})"
             )
         try:
-            entry = make_entry(_kept(frame), meta, checksum)
+            entry = make_entry(_kept(frame), meta, checksum, actual)
             self.store.put(key, entry)
         except StoreError as exc:
             raise RequestError(exc.code, str(exc)) from None
         self.stats.bytes_in.inc(entry.nbytes)
         return entry
 
-    def put(self, msg: proto.PutValue, frames: list[Any]) -> Result:
+    def put(self, msg: proto.PutValue, frames: list[Any], sums: list[int] | None = None) -> Result:
+        """sums: the frames' checksums when already computed (`aput`)."""
         if len(frames) != 1:
             raise RequestError(ErrorCode.BAD_FRAMES, f"put needs 1 value frame, got {len(frames)}")
-        entry = self._store(msg.key, frames[0], msg.meta, msg.checksum)
+        actual = sums[0] if sums else None
+        entry = self._store(msg.key, frames[0], msg.meta, msg.checksum, actual)
         return proto.PutValueReply(msg.rid, entry.checksum), []
 
-    def put_many(self, msg: proto.PutValues, frames: list[Any]) -> Result:
+    async def aput(self, msg: proto.PutValue, frames: list[Any]) -> Result:
+        return self.put(msg, frames, await checksums_off_loop(frames))
+
+    async def aput_many(self, msg: proto.PutValues, frames: list[Any]) -> Result:
+        return self.put_many(msg, frames, await checksums_off_loop(frames))
+
+    def put_many(
+        self, msg: proto.PutValues, frames: list[Any], sums: list[int] | None = None
+    ) -> Result:
+        """sums: the frames' checksums when already computed (`aput_many`)."""
         keys = msg.keys
         if len(keys) > proto.MAX_BATCH:
             _check_batch(keys)
@@ -144,7 +171,7 @@ class Handlers:
             meta = msg.metas[i] if msg.metas else b""
             checksum = msg.checksums[i] if msg.checksums else None
             try:
-                self._store(key, frame, meta, checksum)
+                self._store(key, frame, meta, checksum, sums[i] if sums else None)
                 errors.append(0)
             except RequestError as exc:
                 self.stats.errors[exc.code].inc()

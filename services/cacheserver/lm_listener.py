@@ -26,9 +26,11 @@ from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import lmcache_lm as lm
 from kvmesh.services.cacheserver.stats import ServerStats
 from kvmesh.services.cacheserver.store import (
+    HASH_OFF_LOOP_FROM,
     INTERNAL_PREFIX,
     MemoryStore,
     StoreError,
+    checksums_off_loop,
     make_entry,
 )
 
@@ -149,7 +151,9 @@ class LmListener:
         async with asyncio.timeout(self.config.request_timeout_s):
             payload = await reader.readexactly(req.length)
         try:
-            entry = make_entry(payload, lm.meta_of(req))
+            big = len(payload) >= HASH_OFF_LOOP_FROM
+            actual = (await checksums_off_loop([payload]))[0] if big else None
+            entry = make_entry(payload, lm.meta_of(req), actual=actual)
             self.store.put(key, entry)
         except StoreError as exc:
             self.stats.errors[exc.code].inc()

@@ -236,8 +236,9 @@ class CacheServer:
             return
         op = msg.__struct_config__.tag
         part = session.part_bytes
-        if len(self.router.inflight) < MAX_INFLIGHT_TASKS and self.handlers.suspends(msg):
-            # Over the cap, a get is answered from memory alone (a miss is always safe).
+        if len(self.router.inflight) < MAX_INFLIGHT_TASKS and self.handlers.suspends(msg, values):
+            # Over the cap, a get is answered from memory alone (a miss is always safe)
+            # and a put hashes on the loop.
             handle = self.handlers.async_table[type(msg)]
             self.router.spawn(peer, msg, self._handle_async, handle, msg, values, now, part)
             return

@@ -205,8 +205,10 @@ class DiskSpill:
             return None
         loop = asyncio.get_running_loop()
         try:
-            data = await loop.run_in_executor(self._pool, _read_all, self.path / spilled.name)
-            meta, view, checksum = parse_file(data, key.encode())
+            # The read and the checksum check, both on the pool's thread.
+            meta, view, checksum = await loop.run_in_executor(
+                self._pool, _read_parsed, self.path / spilled.name, key.encode()
+            )
         except (OSError, SpillCorrupt) as exc:
             self.corrupt += 1
             log.warning("spill file dropped", error=str(exc))
@@ -219,6 +221,10 @@ class DiskSpill:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _read_parsed(path: Path, key: bytes) -> tuple[bytes, memoryview, int]:
+    return parse_file(_read_all(path), key)
 
 
 def _read_all(path: Path) -> bytes:
