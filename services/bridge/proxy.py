@@ -78,10 +78,14 @@ class Proxy:
         self.transfers = transfers
         self.stats = stats
         self._prefill_timeout = aiohttp.ClientTimeout(total=config.prefill_timeout_s)
-        # No total: a streamed answer may rightly take minutes. Each read (the first
-        # byte, then every next one) has decode_timeout_s.
+        # No total: a streamed answer may rightly take minutes. Getting a connection
+        # (a free one from the pool, or a new one) and each read (the first byte, then
+        # every next one) have decode_timeout_s each.
         self._decode_timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=config.decode_timeout_s, sock_read=config.decode_timeout_s
+            total=None,
+            connect=config.decode_timeout_s,
+            sock_connect=config.decode_timeout_s,
+            sock_read=config.decode_timeout_s,
         )
 
     async def serve(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
