@@ -19,6 +19,7 @@ replaced, and each event batch as runs of chunk ints.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -107,6 +108,10 @@ class Snapshot(msgspec.Struct, array_like=True):
     version: int
     saved_at: float
     workers: list[_SnapWorker]
+
+
+def encode_snapshot(workers: list[_SnapWorker]) -> bytes:
+    return msgspec.msgpack.encode(Snapshot(SNAPSHOT_VERSION, time.time(), workers))
 
 
 class Registry:
@@ -292,24 +297,28 @@ class Registry:
     # -- snapshot -----------------------------------------------------------------------
     def snapshot(self) -> bytes:
         """The registry as bytes (msgpack): workers and their chunk ints per tier."""
-        workers = []
-        for e in self.workers.values():
+        return encode_snapshot(list(self.snapshot_workers()))
+
+    def snapshot_workers(self) -> Iterator[_SnapWorker]:
+        """Each worker's part of a snapshot, one at a time, its chunks and last_seq
+        taken together. Packing costs ~0.36 s per million chunks (reading every int
+        object), so a caller on the event loop lets other work run between workers;
+        a worker changed meanwhile is saved as it is when its turn comes (its sequence
+        number goes with it, so a restored controller resyncs what it missed)."""
+        for e in list(self.workers.values()):
             tiers = {t: pack_ints(keys) for t, keys in e.tiers.items()}
-            workers.append(
-                _SnapWorker(
-                    e.worker_id,
-                    e.instance_id,
-                    e.rank,
-                    e.world_size,
-                    e.namespaces,
-                    e.p2p_endpoint,
-                    e.heartbeat_s,
-                    e.last_seq,
-                    tiers,
-                    e.lookup_endpoint,
-                )
+            yield _SnapWorker(
+                e.worker_id,
+                e.instance_id,
+                e.rank,
+                e.world_size,
+                e.namespaces,
+                e.p2p_endpoint,
+                e.heartbeat_s,
+                e.last_seq,
+                tiers,
+                e.lookup_endpoint,
             )
-        return msgspec.msgpack.encode(Snapshot(SNAPSHOT_VERSION, time.time(), workers))
 
     def load(self, data: bytes) -> int:
         """Replace the registry with a snapshot's; its workers count as restored (and

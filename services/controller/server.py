@@ -47,7 +47,7 @@ from kvmesh.services.controller.event_replay import EventReplay
 from kvmesh.services.controller.handlers import Handlers
 from kvmesh.services.controller.http import AdminHttp
 from kvmesh.services.controller.index_feed import IndexFeed
-from kvmesh.services.controller.registry import Registry
+from kvmesh.services.controller.registry import Registry, encode_snapshot
 from kvmesh.services.controller.stats import ControllerStats
 
 log = get_logger(__name__)
@@ -285,9 +285,14 @@ class ControllerServer:
         self.stats.chunks.set(self.registry.chunks_total())
 
     async def save_snapshot(self) -> None:
-        """Encode on the loop (a consistent view), write and rename in a thread."""
+        """Pack on the loop one worker at a time, serving requests between workers
+        (registry.snapshot_workers); write and rename in a thread."""
         t0 = time.perf_counter()
-        data = self.registry.snapshot()
+        workers = []
+        for part in self.registry.snapshot_workers():
+            workers.append(part)
+            await asyncio.sleep(0)
+        data = encode_snapshot(workers)
         path = self.config.snapshot_path
         try:
             await asyncio.to_thread(_write_atomic, path, data)
