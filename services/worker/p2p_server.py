@@ -133,13 +133,15 @@ class P2PServer:
 
     async def _serve(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            frames = await sock.recv_multipart()
+            # Frames, not copies: a PD push carries whole chunk layers (megabytes each),
+            # which copy=True would copy once more on the loop before the push does.
+            frames = await sock.recv_multipart(copy=False)
             if len(frames) < 2:
                 continue  # no routing id and message: nothing to answer
-            reply, objs = await self.handle(frames[1:])
+            reply, objs = await self.handle([f.buffer for f in frames[1:]])
             if isinstance(reply, proto.ErrorReply):
                 self._errors.labels(code=str(reply.code)).inc()
-            await self._send(sock, frames[0], reply, objs)
+            await self._send(sock, frames[0].bytes, reply, objs)
 
     async def _send(
         self, sock: zmq.asyncio.Socket, ident: bytes, reply: proto.Reply, objs: list[MemoryObj]
@@ -175,7 +177,7 @@ class P2PServer:
             obj.ref_down()
 
     # -- requests -----------------------------------------------------------------------
-    async def handle(self, frames: Sequence[bytes]) -> Handled:
+    async def handle(self, frames: Sequence[bytes | memoryview]) -> Handled:
         """The reply to one request (without routing id), and the objects whose bytes
         follow it as payload frames (one reference each, dropped once sent)."""
         try:
@@ -248,7 +250,7 @@ class P2PServer:
         metas = [_meta(key, obj, obj.data_ptr) for key, obj in held]
         return proto.PinChunksReply(msg.rid, lease, metas)
 
-    async def _pd(self, msg: proto.Request, payloads: Sequence[bytes]) -> proto.Reply:
+    async def _pd(self, msg: proto.Request, payloads: Sequence[bytes | memoryview]) -> proto.Reply:
         """Disaggregated prefill messages, for the engine's PD receiver."""
         receiver = self.engine.pd_receiver
         if receiver is None:
