@@ -270,9 +270,10 @@ class IndexFollower:
     async def _read(self) -> None:
         assert self._sock is not None
         while True:
-            raw = await self._sock.recv()
+            # A frame, not a copy: a full index state runs to tens of megabytes.
+            frame = await self._sock.recv(copy=False)
             try:
-                msg = proto.decode_reply(raw)
+                msg = proto.decode_reply(frame.buffer)
             except proto.MalformedMessage:
                 self.stats.malformed.inc()
                 continue
