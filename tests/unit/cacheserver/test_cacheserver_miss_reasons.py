@@ -9,12 +9,12 @@ import asyncio
 import time
 from pathlib import Path
 
-from kvmesh.common.observability import Metrics
+from kvtest.cacheserver_handlers import handlers
+
 from kvmesh.common.protocol import cacheserver as proto
 from kvmesh.common.recent_keys import RecentKeys
 from kvmesh.services.cacheserver.handlers import Handlers
 from kvmesh.services.cacheserver.spill import HEADER_SIZE, DiskSpill
-from kvmesh.services.cacheserver.stats import ServerStats
 from kvmesh.services.cacheserver.store import ENTRY_OVERHEAD, MISS_REASONS, MemoryStore
 
 KiB = 1024
@@ -22,17 +22,6 @@ KiB = 1024
 
 def cost(key: str, n: int) -> int:
     return n + len(key) + ENTRY_OVERHEAD
-
-
-def handlers(store: MemoryStore) -> Handlers:
-    return Handlers(
-        store,
-        ServerStats(Metrics()),
-        server_name="t",
-        request_timeout_s=1.0,
-        started=time.monotonic(),
-        connections=lambda: 0,
-    )
 
 
 def reasons(h: Handlers) -> dict[str, float]:

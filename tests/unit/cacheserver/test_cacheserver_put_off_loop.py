@@ -7,35 +7,26 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 
 import pytest
 import xxhash
 import zmq
+from kvtest.cacheserver_handlers import handlers
 
-from kvmesh.common.observability import Metrics
 from kvmesh.common.protocol import cacheserver as proto
 from kvmesh.common.protocol.cacheserver import ErrorCode
 from kvmesh.services.cacheserver.handlers import Handlers, RequestError
-from kvmesh.services.cacheserver.stats import ServerStats
 from kvmesh.services.cacheserver.store import HASH_OFF_LOOP_FROM, MemoryStore
 
 MiB = 1 << 20
 
 
-def handlers() -> Handlers:
-    return Handlers(
-        MemoryStore(max_memory=512 * MiB, max_value_size=128 * MiB),
-        ServerStats(Metrics()),
-        server_name="t",
-        request_timeout_s=1.0,
-        started=time.monotonic(),
-        connections=lambda: 0,
-    )
+def big_handlers() -> Handlers:
+    return handlers(MemoryStore(max_memory=512 * MiB, max_value_size=128 * MiB))
 
 
 def test_puts_of_large_values_run_as_tasks() -> None:
-    h = handlers()
+    h = big_handlers()
     big, small = zmq.Frame(bytes(HASH_OFF_LOOP_FROM)), zmq.Frame(bytes(1024))
     assert h.suspends(proto.PutValue(1, "k"), [big])
     assert not h.suspends(proto.PutValue(1, "k"), [small])
@@ -46,7 +37,7 @@ def test_puts_of_large_values_run_as_tasks() -> None:
 
 
 def test_the_loop_serves_while_a_large_put_is_hashed() -> None:
-    h = handlers()
+    h = big_handlers()
     value = os.urandom(64 * MiB)
 
     async def run() -> tuple[int, proto.PutValueReply]:
@@ -67,7 +58,7 @@ def test_the_loop_serves_while_a_large_put_is_hashed() -> None:
 
 
 def test_a_large_put_with_a_wrong_checksum_is_refused() -> None:
-    h = handlers()
+    h = big_handlers()
     value = os.urandom(2 * MiB)
     good = xxhash.xxh3_64_intdigest(value)
     with pytest.raises(RequestError) as refused:

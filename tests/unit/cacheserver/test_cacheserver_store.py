@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from pathlib import Path
 
 import pytest
+from kvtest.cacheserver_handlers import handlers
 
-from kvmesh.common.observability import Metrics
 from kvmesh.common.protocol import cacheserver as proto
 from kvmesh.common.protocol.cacheserver import ErrorCode
-from kvmesh.services.cacheserver.handlers import Handlers, RequestError
+from kvmesh.services.cacheserver.handlers import RequestError
 from kvmesh.services.cacheserver.spill import HEADER_SIZE, DiskSpill
-from kvmesh.services.cacheserver.stats import ServerStats
 from kvmesh.services.cacheserver.store import (
     ENTRY_OVERHEAD,
     INTERNAL_PREFIX,
@@ -159,17 +157,6 @@ def test_spill_is_bounded_and_starts_empty(tmp_path: Path) -> None:
 
 
 # -- handlers --------------------------------------------------------------------------
-
-
-def handlers(store: MemoryStore) -> Handlers:
-    return Handlers(
-        store,
-        ServerStats(Metrics()),
-        server_name="t",
-        request_timeout_s=1.0,
-        started=time.monotonic(),
-        connections=lambda: 0,
-    )
 
 
 def test_handlers_answer_batches_in_key_order() -> None:
