@@ -84,10 +84,12 @@ MAX_DIMS = 8
 _DTYPE_BYTES = 16
 _CHECK = struct.Struct("<Q")
 
-# The xxhash module holds the GIL for the whole call (about 0.1 ms per MiB), which would
-# serialise the I/O threads' checksums and stall the engine's event loop. Called through
-# ctypes, which lets go of the GIL, the same C function hashes on every core at once.
-# Without it, a large payload is hashed in pieces so other threads run in between.
+# Checksums run on I/O and worker threads, so they must not hold the GIL. Called through
+# ctypes the C function lets go of it whatever the xxhash release does; xxhash 4.1.0's
+# own call lets go of it too on large inputs (measured 2026-11-26: a Python thread kept
+# its full rate during a 256 MiB xxh3_64_intdigest), which the cache-server relies on
+# (services/cacheserver/store.py). Without the C symbol, a large payload is hashed in
+# pieces so other threads run in between whatever the module does.
 _CHECKSUM_PIECE = 1 << 20
 
 
