@@ -59,6 +59,9 @@ __all__ = [
 ]
 
 TRACK_FROM = 64 * 1024  # below this pyzmq copies the frame anyway
+# A send that found no peer while the monitor still says connected waits this long
+# before it tries again (the pipe is being attached or torn down).
+AGAIN_PAUSE_S = 0.002
 _MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
@@ -241,6 +244,19 @@ class CacheServerClient:
         finally:
             self._drain()  # a send can swallow the FD's edge for replies already waiting
 
+    async def _wait_for_connection(self) -> None:
+        """After a send found no connected peer. The monitor's events are read by a
+        callback on this loop, so `_up` can still say connected after the peer went:
+        waiting on a set event returns without yielding, and the retry would spin
+        this loop without end, starving every deadline on it (seconds, until the
+        server came back). Read the monitor first; if it still says connected, the
+        pipe is between states: give it a moment."""
+        self._drain_monitor()
+        if self._up.is_set():
+            await asyncio.sleep(AGAIN_PAUSE_S)
+        else:
+            await self._up.wait()
+
     async def _send(self, header: proto.Request, frames: Sequence[Any], timeout_s: float) -> Any:
         """Send one request and wait for its reply or an error; returns (reply, frames)."""
         rid = header.rid  # type: ignore[attr-defined]
@@ -257,7 +273,7 @@ class CacheServerClient:
                         break
                     except zmq.Again:  # no connection yet (IMMEDIATE): wait for one
                         self._pending.pop(rid, None)
-                        await self._up.wait()
+                        await self._wait_for_connection()
                         if self._sock is None:
                             raise CacheServerUnavailable("client is closed") from None
                 reply, rest = await fut

@@ -328,3 +328,44 @@ def test_sigterm_stops_it_cleanly(tmp_path: Path) -> None:
     t0 = time.monotonic()
     assert srv.stop() == 0
     assert time.monotonic() - t0 < 5
+
+
+def test_a_request_to_a_server_just_gone_keeps_its_deadline(tmp_path: Path) -> None:
+    """The server dies and the client's loop is busy before it reads the monitor's
+    disconnect event (a loaded engine): the next request finds no peer while the client
+    still thinks it is connected. It must fail at its deadline, not spin the loop until
+    the server comes back (it did: 2.5-3.4 s retrieves after a cache-server restart)."""
+    import threading
+
+    srv = CacheServerProcess(tmp_path).start()
+    outcome: list[object] = []
+
+    async def scenario() -> None:
+        client = await connected(srv, timeout_s=0.3)
+        try:
+            assert client.connected
+            srv.kill()
+            time.sleep(0.5)  # noqa: ASYNC251 - on purpose: the loop must not see the link drop
+            t0 = time.monotonic()
+            try:
+                await client.health()
+            except CacheServerUnavailable:
+                outcome.append(time.monotonic() - t0)
+            else:
+                outcome.append("answered")
+        finally:
+            await client.close()
+
+    runner = threading.Thread(target=asyncio.run, args=(scenario(),), daemon=True)
+    try:
+        runner.start()
+        runner.join(5)
+        hung = runner.is_alive()
+        if hung:
+            srv.start()  # what ends the spin: let the thread finish
+            runner.join(10)
+        assert not hung, "the request spun its loop past its deadline"
+        assert len(outcome) == 1 and isinstance(outcome[0], float), outcome
+        assert outcome[0] < 0.3 + 0.25, outcome
+    finally:
+        srv.stop()
