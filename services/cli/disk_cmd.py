@@ -16,7 +16,7 @@ from kvmesh.common.config import format_size, parse_size
 from kvmesh.services.worker.tiers.disk_scan import (
     LOCK_FILE,
     ScannedFile,
-    check_file,
+    check_files,
     list_dir,
     plan_eviction,
 )
@@ -141,8 +141,7 @@ def scan(
             report.drop.extend(
                 (n, _size(path, n), "temporary file (an interrupted write)") for n in listing.temps
             )
-            for entry in listing.chunks:
-                f = check_file(path, *entry, verify_payload=verify)
+            for f in check_files(path, listing.chunks, verify_payload=verify):
                 bar.update(1)
                 if f.ok:
                     report.keep.append(f)

@@ -78,7 +78,12 @@ from kvmesh.services.worker.tiers.disk_format import (
     temp_file_name,
 )
 from kvmesh.services.worker.tiers.disk_io import header_buffer, read_file, write_file
-from kvmesh.services.worker.tiers.disk_scan import LOCK_FILE, ScannedFile, check_file, list_dir
+from kvmesh.services.worker.tiers.disk_scan import (
+    LOCK_FILE,
+    ScannedFile,
+    check_files,
+    list_dir,
+)
 from kvmesh.services.worker.tiers.disk_stats import DiskStats
 from kvmesh.services.worker.tiers.misses import MissReason, TierMisses
 
@@ -239,44 +244,29 @@ class DiskTier:
                 counts["deleted"] += 1
                 self.stats.scanned["deleted"].inc()
         last_log = time.monotonic()
-        # Header reads wait on the device when the page cache is cold (after a reboot):
-        # several in flight at once hide that latency.
-        with concurrent.futures.ThreadPoolExecutor(
-            self._exec.threads, thread_name_prefix="kvmesh-disk-reindex"
-        ) as readers:
-            for start in range(0, total, REINDEX_BATCH):
-                if self._stop.is_set():
-                    break
-                part = listing.chunks[start : start + REINDEX_BATCH]
-                n = self._exec.threads
-                # One task per reader and batch: a task per file would cost more in
-                # hand-offs than the header read itself when the cache is warm.
-                slices = [part[i::n] for i in range(n)]
-                checked = list(readers.map(self._check_files, slices))
-                batch = sorted(
-                    (f for fs in checked for f in fs), key=lambda f: (f.mtime_ns, f.name)
+        for start in range(0, total, REINDEX_BATCH):
+            if self._stop.is_set():
+                break
+            part = listing.chunks[start : start + REINDEX_BATCH]
+            batch = list(check_files(self.path, part))  # still oldest first
+            if not self._index_batch(batch, counts):
+                break
+            now = time.monotonic()
+            if now - last_log >= PROGRESS_EVERY_S:
+                last_log = now
+                log.info(
+                    "disk re-index progress",
+                    path=self.path,
+                    scanned=start + len(batch),
+                    files=total,
+                    **counts,
                 )
-                if not self._index_batch(batch, counts):
-                    break
-                now = time.monotonic()
-                if now - last_log >= PROGRESS_EVERY_S:
-                    last_log = now
-                    log.info(
-                        "disk re-index progress",
-                        path=self.path,
-                        scanned=start + len(batch),
-                        files=total,
-                        **counts,
-                    )
         self.stats.scanned["kept"].inc(counts["kept"])
         elapsed = time.monotonic() - t0
         self.stats.reindex_seconds.set(elapsed)
         log.info(
             "disk re-index done", path=self.path, files=total, seconds=round(elapsed, 3), **counts
         )
-
-    def _check_files(self, entries: list[tuple[str, int, int]]) -> list[ScannedFile]:
-        return [check_file(self.path, *e) for e in entries]
 
     def _index_batch(self, batch: list[ScannedFile], counts: dict[str, int]) -> bool:
         """Index a batch of checked files (oldest first), delete the failing ones, evict

@@ -23,7 +23,13 @@ from kvmesh.services.worker.tiers.disk_format import (
     key_of_file_name,
     temp_file_name,
 )
-from kvmesh.services.worker.tiers.disk_scan import check_file, list_dir, plan_eviction
+from kvmesh.services.worker.tiers.disk_scan import (
+    check_file,
+    check_files,
+    list_dir,
+    plan_eviction,
+    read_ahead,
+)
 
 HEADER_SIZE = FILE_LAYOUT.size
 
@@ -177,6 +183,69 @@ def test_scan_sorts_oldest_first_and_finds_every_problem(tmp_path: Path) -> None
         "payload checksum mismatch"
     )
     assert "another key" in (checked[chunk_file_name(key_of(33))].problem or "")
+
+
+def _cached(path: Path) -> bool:
+    """Whether path's first page is in the page cache: mincore(2) on a mapping that is
+    never touched (a read, even a RWF_NOWAIT one, starts the readahead itself)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, HEADER_SIZE, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), "mmap failed")
+        try:
+            vec = (ctypes.c_ubyte * 1)()
+            if libc.mincore(addr, HEADER_SIZE, vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore failed")
+            return bool(vec[0] & 1)
+        finally:
+            libc.munmap(addr, HEADER_SIZE)
+    finally:
+        os.close(fd)
+
+
+def test_read_ahead_brings_headers_into_the_page_cache_and_the_scan_is_unchanged() -> None:
+    # /var/tmp: a disk-backed filesystem, where dropping a file's pages is possible.
+    import shutil
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="kvmesh-readahead-"))
+    try:
+        names = [write_chunk(d, i, bytes([i]) * 20_000, 10**18 + i * 10**9) for i in range(50)]
+        for name in names:
+            fd = os.open(d / name, os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        assert not any(_cached(d / n) for n in names), "the pages were not dropped"
+        listing = list_dir(str(d))
+        read_ahead(str(d), listing.chunks)
+        deadline = time.monotonic() + 5
+        while not all(_cached(d / n) for n in names) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert all(_cached(d / n) for n in names)
+        (d / names[7]).unlink()  # a file gone between the listing and the check
+        scanned = list(check_files(str(d), listing.chunks))
+        assert [f.name for f in scanned] == [c[0] for c in listing.chunks]
+        assert [f.name for f in scanned if not f.ok] == [names[7]]
+        assert scanned[7].problem == "vanished during the scan"
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def test_plan_eviction_drops_oldest_or_newest_for_mru(tmp_path: Path) -> None:

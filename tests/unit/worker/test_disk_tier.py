@@ -328,13 +328,13 @@ def test_lookups_miss_until_indexed_and_nothing_blocks(
     tier.close()
 
     gate = threading.Event()
-    real_check = disk_mod.check_file
+    real_check = disk_mod.check_files
 
     def slow_check(*args, **kw):
         gate.wait(10)
-        return real_check(*args, **kw)
+        yield from real_check(*args, **kw)
 
-    monkeypatch.setattr(disk_mod, "check_file", slow_check)
+    monkeypatch.setattr(disk_mod, "check_files", slow_check)
     t0 = time.monotonic()
     again = DiskTier(d, 64 * MiB, io_threads=2)
     try:
