@@ -16,8 +16,11 @@
   `max_size`, the eviction policy picks unpinned, unread chunks to delete first; if
   they do not make room, the put is dropped.
 - **Reads** run on the same pool (`aget` awaits them without blocking the event loop);
-  the file's header must match the index (key, shape, dtype, format, length) and the
-  payload its checksum. A file that fails is deleted, counted in
+  the checks of an `aget` run on a small pool of their own, so an I/O thread goes on
+  to the next read while the last one is hashed (2 MiB O_DIRECT reads 0.76-0.80 of raw
+  against 0.68-0.77 with the hash on the I/O thread, 2026-11-26). The file's header
+  must match the index (key, shape, dtype, format, length) and the payload its
+  checksum. A file that fails is deleted, counted in
   `kvmesh_disk_corrupt_total`, and the read is a miss: never wrong bytes.
 - **Index**: a dict under a lock that is never held across I/O. An entry is WRITING
   (its file is not readable yet), READY, or DELETING (gone for lookups; the file is
@@ -90,6 +93,8 @@ from kvmesh.services.worker.tiers.misses import MissReason, TierMisses
 log = get_logger(__name__)
 
 REINDEX_BATCH = 1024
+# Threads checking what reads brought in; hashing is CPU work, one thread a core.
+CHECK_THREADS = max(1, os.cpu_count() or 1)
 PROGRESS_EVERY_S = 1.0
 
 
@@ -171,6 +176,10 @@ class DiskTier:
         self._stop = threading.Event()
         self._reindex_thread: threading.Thread | None = None
         self._exec = PriorityExecutor(io_threads, name="kvmesh-disk-io")
+        # Reads' checks (xxh3 of the payload, decoding), apart from the I/O threads.
+        self._checks = concurrent.futures.ThreadPoolExecutor(
+            CHECK_THREADS, thread_name_prefix="kvmesh-disk-check"
+        )
         try:
             self._acquire_dir()
         except OSError as exc:
@@ -560,7 +569,11 @@ class DiskTier:
         return self._degraded
 
     # -- get --------------------------------------------------------------------------------
-    def _submit_read(self, key: ChunkKey, allocator: Allocator) -> concurrent.futures.Future | None:
+    def _submit_read(
+        self, key: ChunkKey, allocator: Allocator, verify: bool = True
+    ) -> concurrent.futures.Future | None:
+        """The read of key on the I/O pool: its future gives the chunk (or None), or
+        with verify=False the `_Landed` bytes still to be checked by `_check`."""
         with self._lock:
             if self._closed:
                 self.misses.inc(MissReason.ERROR)
@@ -575,8 +588,9 @@ class DiskTier:
             self.stats.gets["miss"].inc()
             self.misses.count_absent(key)
             return None
+        fn = self._read if verify else self._read_bytes
         try:
-            fut = self._exec.submit(Priority.PREFETCH, self._read, key, entry, allocator)
+            fut = self._exec.submit(Priority.PREFETCH, fn, key, entry, allocator)
         except RuntimeError:
             self._end_read(entry)
             self.misses.inc(MissReason.ERROR)
@@ -599,32 +613,54 @@ class DiskTier:
             return None
 
     async def aget(self, key: ChunkKey, allocator: Allocator) -> MemoryObj | None:
-        """The chunk read on the I/O pool; the event loop only awaits."""
-        fut = self._submit_read(key, allocator)
+        """The chunk read on the I/O pool and checked on the check pool (an I/O thread
+        goes on to the next read instead of hashing: the device stays busy); the event
+        loop only awaits."""
+        fut = self._submit_read(key, allocator, verify=False)
         if fut is None:
             return None
         try:
-            return await asyncio.wrap_future(fut)
+            landed = await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
             # The read may still finish: its buffer must go back to the allocator.
-            fut.add_done_callback(_drop_result)
+            fut.add_done_callback(_drop_landed_result)
             raise
         except concurrent.futures.CancelledError:  # the pool shut down before the read
             self.misses.inc(MissReason.ERROR)
             return None
+        if landed is None:
+            return None
+        try:
+            checked = self._checks.submit(self._check, landed)
+        except RuntimeError:  # closed meanwhile
+            _drop_landed(landed)
+            self.misses.inc(MissReason.ERROR)
+            return None
+        try:
+            return await asyncio.wrap_future(checked)
+        except asyncio.CancelledError:
+            # A check not yet started is cancelled with us: its buffer is dropped here.
+            checked.add_done_callback(
+                lambda f: _drop_landed(landed) if f.cancelled() else _drop_result(f)
+            )
+            raise
 
     def _read(self, key: ChunkKey, entry: _Entry, allocator: Allocator) -> MemoryObj | None:
+        landed = self._read_bytes(key, entry, allocator)
+        return None if landed is None else self._check(landed)
+
+    def _read_bytes(self, key: ChunkKey, entry: _Entry, allocator: Allocator) -> _Landed | None:
+        """The file's header and payload in a buffer of allocator's; None (a miss,
+        counted) when there is no buffer or the read fails."""
         try:
-            return self._read_verified(key, entry, allocator)
+            return self._read_io(key, entry, allocator)
         except Exception as exc:  # a failing read is a miss, whatever went wrong
             self.stats.gets["error"].inc()
             self.misses.inc(MissReason.ERROR)
             log.warning("disk read failed", key=key.to_str(), error=repr(exc))
             return None
 
-    def _read_verified(
-        self, key: ChunkKey, entry: _Entry, allocator: Allocator
-    ) -> MemoryObj | None:
+    def _read_io(self, key: ChunkKey, entry: _Entry, allocator: Allocator) -> _Landed | None:
         try:
             obj = allocator.allocate(torch.Size(entry.shape), entry.dtype, entry.fmt)
         except Exception as exc:
@@ -641,27 +677,43 @@ class DiskTier:
             if entry.compressed:  # read into a scratch buffer, decoded into obj below
                 payload = memoryview(bytearray(entry.size - FILE_LAYOUT.size))
             n = read_file(self._file(key), [hdr, payload], self.o_direct)
-        except OSError as exc:
+        except BaseException as exc:
             obj.ref_down()
+            if not isinstance(exc, OSError):
+                raise
             self.stats.io_errors["read"].inc()
             self.stats.gets["error"].inc()
             self.misses.inc(MissReason.ERROR)
             self._read_failed(key, entry, exc)
             return None
+        # The header buffer is this I/O thread's, reused by its next read: the check,
+        # on another thread, gets a copy (4 KiB).
+        return _Landed(key, entry, obj, memoryview(hdr.tobytes()), payload, n, t0)
+
+    def _check(self, landed: _Landed) -> MemoryObj | None:
+        """Landed bytes verified and decoded into their buffer: the chunk, or None (a
+        miss, counted; a corrupt file is deleted). Takes over landed's buffer."""
+        key, entry, obj = landed.key, landed.entry, landed.obj
         try:
-            _, checksum = self._verify(key, entry, hdr, payload, n, obj)
+            _, checksum = self._verify(key, entry, landed.hdr, landed.payload, landed.n, obj)
         except CorruptChunk as exc:
             obj.ref_down()
             self.misses.inc(MissReason.CHECKSUM)
             self._corrupt(key, entry, str(exc))
+            return None
+        except Exception as exc:  # a failing read is a miss, whatever went wrong
+            obj.ref_down()
+            self.stats.gets["error"].inc()
+            self.misses.inc(MissReason.ERROR)
+            log.warning("disk read failed", key=key.to_str(), error=repr(exc))
             return None
         except BaseException:
             obj.ref_down()
             raise
         obj.key = key
         obj.checksum = checksum
-        self.stats.io_seconds["read"].observe(time.perf_counter() - t0)
-        self.stats.bytes_read.inc(n)
+        self.stats.io_seconds["read"].observe(time.perf_counter() - landed.t0)
+        self.stats.bytes_read.inc(landed.n)
         self.stats.gets["hit"].inc()
         return obj
 
@@ -871,6 +923,7 @@ class DiskTier:
         if self._reindex_thread is not None:
             self._reindex_thread.join(30)
         self._exec.shutdown(cancel=(Priority.PREFETCH, Priority.PUT))
+        self._checks.shutdown(wait=True)  # checks are short: each gives its buffer back
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
@@ -879,6 +932,29 @@ class DiskTier:
             self._policy = make_policy(self._policy_name)
             self._used = self._ready = 0
         log.info("disk tier closed", path=self.path)
+
+
+@dataclass(slots=True)
+class _Landed:
+    """A read's bytes, in place but not yet checked."""
+
+    key: ChunkKey
+    entry: _Entry
+    obj: MemoryObj
+    hdr: memoryview
+    payload: memoryview
+    n: int
+    t0: float
+
+
+def _drop_landed(landed: _Landed | None) -> None:
+    if landed is not None:
+        landed.obj.ref_down()
+
+
+def _drop_landed_result(fut: concurrent.futures.Future) -> None:
+    if not fut.cancelled() and fut.exception() is None:
+        _drop_landed(fut.result())
 
 
 def _drop_result(fut: concurrent.futures.Future) -> None:

@@ -137,8 +137,8 @@ def test_put_is_deduplicated(tier: DiskTier, pool: HostMemoryPool) -> None:
     assert len(chunk_files(tier.path)) == 1
 
 
-def gate_all(tier: DiskTier, n: int) -> threading.Event:
-    """Occupy all n I/O threads until the returned event is set."""
+def _occupy(submit, n: int) -> threading.Event:
+    """Occupy n threads of a pool (submit) until the returned event is set."""
     gate = threading.Event()
     started = threading.Barrier(n + 1)
 
@@ -147,9 +147,19 @@ def gate_all(tier: DiskTier, n: int) -> threading.Event:
         gate.wait(10)
 
     for _ in range(n):
-        tier._exec.submit(Priority.PREFETCH, hold)
+        submit(hold)
     started.wait(5)
     return gate
+
+
+def gate_all(tier: DiskTier, n: int) -> threading.Event:
+    """Occupy all n I/O threads until the returned event is set."""
+    return _occupy(lambda fn: tier._exec.submit(Priority.PREFETCH, fn), n)
+
+
+def gate_checks(tier: DiskTier) -> threading.Event:
+    """Occupy every thread that checks reads until the returned event is set."""
+    return _occupy(tier._checks.submit, disk_mod.CHECK_THREADS)
 
 
 def test_source_reference_is_held_until_the_write_ends(
@@ -386,18 +396,27 @@ class BlockingAllocator:
         return self.pool.allocate(shape, dtype, fmt)
 
 
-@pytest.mark.parametrize("when", ["queued", "running"])
+@pytest.mark.parametrize("when", ["queued", "running", "checking"])
 def test_cancelled_aget_returns_its_buffer(tier: DiskTier, pool: HostMemoryPool, when: str) -> None:
     put(tier, pool, 0)
     tier.flush(5)
     alloc = BlockingAllocator(pool)
     gate = gate_all(tier, 2) if when == "queued" else None
+    if when == "checking":  # read and waiting for its check when cancelled
+        alloc.release.set()
+        gate = gate_checks(tier)
 
     async def main() -> None:
         task = asyncio.ensure_future(tier.aget(key_of(0), alloc))
         await asyncio.sleep(0.05)
         if when == "running":
             assert alloc.entered.wait(5)
+        if when == "checking":
+            deadline = time.monotonic() + 5
+            while pool.used_bytes == 0:  # its buffer is taken, the read under way
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # the read itself ends on its I/O thread
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -407,6 +426,9 @@ def test_cancelled_aget_returns_its_buffer(tier: DiskTier, pool: HostMemoryPool,
     if gate is not None:
         gate.set()
     tier.flush(5)
+    deadline = time.monotonic() + 5
+    while pool.used_bytes and time.monotonic() < deadline:
+        time.sleep(0.01)  # a cancelled check gives its buffer back on the check thread
     assert pool.used_bytes == 0
     # and the chunk is not stuck as "being read": it can still be evicted or removed
     assert tier.remove(key_of(0))
