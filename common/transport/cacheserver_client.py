@@ -300,7 +300,7 @@ class CacheServerClient:
         deadline = loop.time() + timeout_s
         for attempt in range(2):
             if not self._session:
-                await self.hello(max(deadline - loop.time(), 0.001))
+                await self._ensure_session(max(deadline - loop.time(), 0.001))
             try:
                 return await self._send(
                     make(next(self._rids)), frames, max(deadline - loop.time(), 0.001)
@@ -312,29 +312,40 @@ class CacheServerClient:
         raise AssertionError("unreachable")
 
     # -- requests -----------------------------------------------------------------------
+    async def _ensure_session(self, timeout_s: float) -> None:
+        """A hello unless one made while this call waited for the lock already opened
+        the session: after a restart, the gets in flight each find no session, and
+        one hello does for all (each hello also replaces the data connections)."""
+        async with self._hello_lock:
+            if not self._session:
+                await self._hello_locked(timeout_s)
+
     async def hello(self, timeout_s: float | None = None) -> proto.HelloReply:
         async with self._hello_lock:
-            msg = proto.Hello(
-                next(self._rids), proto.PROTOCOL_VERSION, self.name, self.value_part_bytes
+            return await self._hello_locked(timeout_s)
+
+    async def _hello_locked(self, timeout_s: float | None) -> proto.HelloReply:
+        msg = proto.Hello(
+            next(self._rids), proto.PROTOCOL_VERSION, self.name, self.value_part_bytes
+        )
+        reply, _ = await self._send(msg, (), self.timeout_s if timeout_s is None else timeout_s)
+        self.max_value_size = reply.max_value_size
+        self.max_batch = reply.max_batch
+        self.server_name = reply.server
+        self._session = True
+        offered = self.data_connections > 0 and reply.data_port > 0 and reply.data_token
+        self._set_data(
+            DataConnections(
+                endpoint_host(self.endpoint),
+                reply.data_port,
+                reply.data_token,
+                size=self.data_connections,
+                max_payload=reply.max_value_size,
             )
-            reply, _ = await self._send(msg, (), self.timeout_s if timeout_s is None else timeout_s)
-            self.max_value_size = reply.max_value_size
-            self.max_batch = reply.max_batch
-            self.server_name = reply.server
-            self._session = True
-            offered = self.data_connections > 0 and reply.data_port > 0 and reply.data_token
-            self._set_data(
-                DataConnections(
-                    endpoint_host(self.endpoint),
-                    reply.data_port,
-                    reply.data_token,
-                    size=self.data_connections,
-                    max_payload=reply.max_value_size,
-                )
-                if offered
-                else None
-            )
-            return reply
+            if offered
+            else None
+        )
+        return reply
 
     def _set_data(self, conns: DataConnections | None) -> None:
         if self._data is not None:
@@ -382,7 +393,7 @@ class CacheServerClient:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         if not self._session:
-            await self.hello(timeout_s)
+            await self._ensure_session(timeout_s)
         conns = self._data
         if conns is not None:
             try:

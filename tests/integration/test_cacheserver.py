@@ -369,3 +369,42 @@ def test_a_request_to_a_server_just_gone_keeps_its_deadline(tmp_path: Path) -> N
         assert outcome[0] < 0.3 + 0.25, outcome
     finally:
         srv.stop()
+
+
+def test_one_hello_reopens_the_session_for_every_request_in_flight(tmp_path: Path) -> None:
+    """After the server restarts, the requests that find the session gone share one
+    hello (each hello also replaces the data connections), not one each."""
+    srv = CacheServerProcess(tmp_path).start()
+
+    async def main() -> int:
+        client = await connected(srv, timeout_s=5.0, data_connections=4)
+        hellos = 0
+        real = client._send
+
+        async def counted(header, frames, timeout_s):
+            nonlocal hellos
+            hellos += isinstance(header, proto.Hello)
+            return await real(header, frames, timeout_s)
+
+        client._send = counted  # type: ignore[method-assign]
+        try:
+            await client.put("k", b"v" * 100)
+            srv.kill()
+            deadline = time.monotonic() + 5
+            while client.connected and time.monotonic() < deadline:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)  # the client's own flag; no event to wait on
+            assert not client.connected
+            srv.start()
+            got = await asyncio.gather(
+                *(client.get_into(f"k{i}", lambda meta, n: None) for i in range(8)),
+                *(client.get(f"g{i}") for i in range(8)),
+            )
+            assert got == [None] * 16  # a fresh server holds nothing
+            return hellos
+        finally:
+            await client.close()
+
+    try:
+        assert asyncio.run(main()) == 1
+    finally:
+        srv.stop()
