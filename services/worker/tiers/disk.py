@@ -654,10 +654,8 @@ class DiskTier:
         counted) when there is no buffer or the read fails."""
         try:
             return self._read_io(key, entry, allocator)
-        except Exception as exc:  # a failing read is a miss, whatever went wrong
-            self.stats.gets["error"].inc()
-            self.misses.inc(MissReason.ERROR)
-            log.warning("disk read failed", key=key.to_str(), error=repr(exc))
+        except Exception as exc:
+            self._read_error(key, exc)
             return None
 
     def _read_io(self, key: ChunkKey, entry: _Entry, allocator: Allocator) -> _Landed | None:
@@ -690,6 +688,12 @@ class DiskTier:
         # on another thread, gets a copy (4 KiB).
         return _Landed(key, entry, obj, memoryview(hdr.tobytes()), payload, n, t0)
 
+    def _read_error(self, key: ChunkKey, exc: Exception) -> None:
+        """A read that failed unexpectedly: a miss, whatever went wrong."""
+        self.stats.gets["error"].inc()
+        self.misses.inc(MissReason.ERROR)
+        log.warning("disk read failed", key=key.to_str(), error=repr(exc))
+
     def _check(self, landed: _Landed) -> MemoryObj | None:
         """Landed bytes verified and decoded into their buffer: the chunk, or None (a
         miss, counted; a corrupt file is deleted). Takes over landed's buffer."""
@@ -701,11 +705,9 @@ class DiskTier:
             self.misses.inc(MissReason.CHECKSUM)
             self._corrupt(key, entry, str(exc))
             return None
-        except Exception as exc:  # a failing read is a miss, whatever went wrong
+        except Exception as exc:
             obj.ref_down()
-            self.stats.gets["error"].inc()
-            self.misses.inc(MissReason.ERROR)
-            log.warning("disk read failed", key=key.to_str(), error=repr(exc))
+            self._read_error(key, exc)
             return None
         except BaseException:
             obj.ref_down()

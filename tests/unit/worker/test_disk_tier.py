@@ -413,10 +413,10 @@ def test_cancelled_aget_returns_its_buffer(tier: DiskTier, pool: HostMemoryPool,
             assert alloc.entered.wait(5)
         if when == "checking":
             deadline = time.monotonic() + 5
-            while pool.used_bytes == 0:  # its buffer is taken, the read under way
+            # Read, and its check queued behind the held check threads.
+            while tier._checks._work_queue.qsize() == 0:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.01)
-            await asyncio.sleep(0.2)  # the read itself ends on its I/O thread
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
