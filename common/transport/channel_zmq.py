@@ -107,7 +107,12 @@ class ZmqChannel:
         pieces: Sequence[Piece],
         timeout_s: float,
     ) -> None:
-        frames = [_layer_bytes(obj, layer) for _, obj, _ in pieces]
+        spans = [(obj, layer_regions(obj, layer)) for _, obj, _ in pieces]
+        gathered = sum(n for _, regions in spans if len(regions) > 1 for _, n in regions)
+        if gathered < COPY_ON_LOOP_BELOW:
+            frames = _frames(spans)
+        else:  # megabytes of K and V regions put side by side: on a thread
+            frames = await asyncio.to_thread(_frames, spans)
         conn = self._conns.get(endpoint)
         msg = proto.PushChunks(
             conn.next_rid(), proto.PROTOCOL_VERSION, alloc_id, layer, [i for i, _, _ in pieces]
@@ -138,11 +143,14 @@ class ZmqChannel:
         self._conns.close()
 
 
-def _layer_bytes(obj: MemoryObj, layer: int) -> np.ndarray:
-    """A layer's regions of obj as one buffer (a view when it is one region)."""
-    raw = obj.raw.numpy()
-    regions = layer_regions(obj, layer)
-    if len(regions) == 1:
-        off, n = regions[0]
-        return raw[off : off + n]
-    return np.concatenate([raw[off : off + n] for off, n in regions])
+def _frames(spans: Sequence[tuple[MemoryObj, list[tuple[int, int]]]]) -> list[np.ndarray]:
+    """Each chunk's regions as one buffer (a view when it is one region)."""
+    out = []
+    for obj, regions in spans:
+        raw = obj.raw.numpy()
+        if len(regions) == 1:
+            off, n = regions[0]
+            out.append(raw[off : off + n])
+        else:
+            out.append(np.concatenate([raw[off : off + n] for off, n in regions]))
+    return out

@@ -261,7 +261,7 @@ class P2PServer:
         if isinstance(msg, proto.AllocChunks):
             return receiver.alloc(msg)
         if isinstance(msg, proto.PushChunks):
-            return receiver.push(msg, payloads)
+            return await receiver.push(msg, payloads)
         if isinstance(msg, proto.CommitChunks):
             return await receiver.commit(msg)
         assert isinstance(msg, proto.CancelChunks)

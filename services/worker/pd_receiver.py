@@ -15,11 +15,13 @@ Buffers that are never committed (a prefiller that died, a cancelled request) go
 to the pool after the sender's deadline plus `pd.timeout_s`: a late NIXL write can then
 no longer land in a page that holds someone else's chunk.
 
-Everything here runs on the engine's event loop (the P2P server calls it).
+Everything here runs on the engine's event loop (the P2P server calls it), but for the
+copies of large pushed frames, which run on a thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from collections.abc import Sequence
@@ -33,6 +35,7 @@ from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import MemoryFormat, MemoryObj
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import p2p as proto
+from kvmesh.common.transport import channel_zmq
 from kvmesh.common.transport.chunk_regions import layer_regions, token_axis
 from kvmesh.services.worker.events import KVEventKind
 from kvmesh.services.worker.pins import LookupPins
@@ -169,9 +172,16 @@ class PdReceiver:
         ]
         return proto.AllocChunksReply(msg.rid, alloc_id, slots)
 
-    def push(self, msg: proto.PushChunks, payloads: Sequence[memoryview]) -> proto.Reply:
-        """Write frames sent over ZMQ (the NIXL channel writes without asking)."""
+    async def push(self, msg: proto.PushChunks, payloads: Sequence[memoryview]) -> proto.Reply:
+        """Write frames sent over ZMQ (the NIXL channel writes without asking). Every
+        frame is checked before any byte is written."""
         inbound = self._get(msg.alloc_id)
+        if len(msg.chunks) != len(payloads):
+            raise PdRefused(
+                proto.ErrorCode.BAD_MESSAGE,
+                f"{len(payloads)} frames for {len(msg.chunks)} chunks",
+            )
+        copies: list[_Copy] = []
         for index, frame in zip(msg.chunks, payloads, strict=True):
             if not 0 <= index < len(inbound.objs):
                 raise PdRefused(proto.ErrorCode.BAD_MESSAGE, f"chunk index {index}")
@@ -180,7 +190,6 @@ class PdReceiver:
                 continue
             if index not in inbound.pending:  # committed: it may be in L1 already
                 raise PdRefused(proto.ErrorCode.BAD_MESSAGE, f"chunk {index} is committed")
-            raw = obj.raw.numpy()
             try:
                 regions = layer_regions(obj, msg.layer)
             except ValueError as exc:
@@ -191,11 +200,11 @@ class PdReceiver:
                     f"chunk {index} layer {msg.layer}: {len(frame)} bytes for "
                     f"{sum(n for _, n in regions)}",
                 )
-            src = np.frombuffer(frame, dtype=np.uint8)
-            pos = 0
-            for off, n in regions:
-                raw[off : off + n] = src[pos : pos + n]
-                pos += n
+            copies.append(_Copy(obj, regions, frame))
+        if sum(len(c.frame) for c in copies) < channel_zmq.COPY_ON_LOOP_BELOW:
+            _write_regions(copies)
+        else:
+            await _write_regions_off_loop(copies)
         return proto.PushChunksReply(msg.rid, len(msg.chunks))
 
     async def commit(self, msg: proto.CommitChunks) -> proto.CommitChunksReply:
@@ -346,6 +355,39 @@ class PdReceiver:
         self._inflight.set(len(self._inbound))
         self._inflight_pages.set(self._pages)
         self._holding.set(len(self._held))
+
+
+@dataclass
+class _Copy:
+    obj: MemoryObj
+    regions: list[tuple[int, int]]  # (offset, bytes) in obj, filled in order from frame
+    frame: memoryview
+
+
+def _write_regions(copies: Sequence[_Copy]) -> None:
+    for c in copies:
+        raw = c.obj.raw.numpy()
+        src = np.frombuffer(c.frame, dtype=np.uint8)
+        pos = 0
+        for off, n in c.regions:
+            raw[off : off + n] = src[pos : pos + n]
+            pos += n
+
+
+async def _write_regions_off_loop(copies: Sequence[_Copy]) -> None:
+    """Copy on a thread: megabytes of frames would hold the engine loop for
+    milliseconds. Each buffer keeps a reference until its copy has ended, so an expiry or
+    a cancel meanwhile cannot hand the page to another chunk while it is written."""
+    for c in copies:
+        c.obj.ref_up()
+
+    def release(_: object = None) -> None:
+        for c in copies:
+            c.obj.ref_down()
+
+    copying = asyncio.ensure_future(asyncio.to_thread(_write_regions, copies))
+    copying.add_done_callback(release)
+    await asyncio.shield(copying)
 
 
 def _parse_keys(raw: list[str]) -> list[ChunkKey]:

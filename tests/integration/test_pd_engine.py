@@ -6,6 +6,8 @@ get error replies."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from collections.abc import Iterator
 
@@ -15,9 +17,11 @@ import torch
 import zmq
 from kvtest.p2p import CHUNK, kv_cache, prompt, slot_bytes
 
+from kvmesh.common.chunk_codec import payload_checksum
 from kvmesh.common.config import EngineConfig, L1Config, P2PConfig, PDConfig
 from kvmesh.common.protocol import p2p as proto
-from kvmesh.services.worker import pd_sender
+from kvmesh.common.transport import channel_zmq
+from kvmesh.services.worker import pd_receiver, pd_sender
 from kvmesh.services.worker.engine import KVEngine
 from kvmesh.services.worker.pd_receiver import hold_id
 from kvmesh.services.worker.pd_sender import PdTarget, push_layers
@@ -42,10 +46,15 @@ def make(
     return engine
 
 
-@pytest.fixture(params=["nixl", "zmq"])
-def pair(request) -> Iterator[tuple[KVEngine, KVEngine]]:
-    prefiller = make("sender", request.param, seed=1)
-    decoder = make("receiver", request.param, seed=None)
+@pytest.fixture(params=["nixl", "zmq", "zmq-threads"])
+def pair(request, monkeypatch) -> Iterator[tuple[KVEngine, KVEngine]]:
+    channel = request.param.removesuffix("-threads")
+    if request.param.endswith("-threads"):
+        # Every push gathers its regions and lands its frames on a thread, as a push of
+        # a megabyte and more does.
+        monkeypatch.setattr(channel_zmq, "COPY_ON_LOOP_BELOW", 1)
+    prefiller = make("sender", channel, seed=1)
+    decoder = make("receiver", channel, seed=None)
     yield prefiller, decoder
     prefiller.close()
     decoder.close()
@@ -276,8 +285,6 @@ def test_chunks_commit_in_groups_and_a_committed_chunk_is_never_written_again() 
     decoder = make("receiver", "zmq", seed=None)
     raw = _Raw(decoder.p2p_endpoint)
     try:
-        from kvmesh.common.chunk_codec import payload_checksum
-
         reply = raw.ask(proto.encode(_alloc(decoder, 3, CHUNK, deadline=0.0)))
         frames = [bytes([i + 1]) * s.nbytes for i, s in enumerate(reply.slots)]
         push = proto.PushChunks(2, proto.PROTOCOL_VERSION, reply.alloc_id, -1, [0, 1, 2])
@@ -363,3 +370,97 @@ def test_engine_without_receiver_role_refuses_pd_messages() -> None:
     finally:
         raw.close()
         peer.close()
+
+
+async def _ticks_while(aw):
+    """(how many times another task ran while aw was awaited, aw's result)."""
+    ticks, done = 0, False
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not done:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    ticks = 0
+    try:
+        result = await aw
+    finally:
+        seen, done = ticks, True
+        await task
+    return seen, result
+
+
+def _on_loop(engine: KVEngine, fn):
+    async def call():
+        return fn()
+
+    return engine.loop.submit(call()).result(5)
+
+
+@pytest.mark.parametrize("threshold", [1, 1 << 40])
+def test_pushed_frames_land_on_a_thread_from_a_megabyte(monkeypatch, threshold: int) -> None:
+    # At or above the threshold the copy runs on a thread and the loop serves other
+    # tasks meanwhile; below, it runs inline (no other task runs during the push).
+    monkeypatch.setattr(channel_zmq, "COPY_ON_LOOP_BELOW", threshold)
+    decoder = make("receiver", "zmq", seed=None)
+    try:
+        receiver = decoder.pd_receiver
+        reply = _on_loop(decoder, lambda: receiver.alloc(_alloc(decoder, 3, CHUNK, deadline=0.0)))
+        gen = torch.Generator().manual_seed(3)
+        frames = [
+            torch.randint(0, 256, (s.nbytes,), dtype=torch.uint8, generator=gen).numpy().tobytes()
+            for s in reply.slots
+        ]
+        push = proto.PushChunks(2, proto.PROTOCOL_VERSION, reply.alloc_id, -1, [0, 1, 2])
+        views = [memoryview(f) for f in frames]
+        fut = decoder.loop.submit(_ticks_while(receiver.push(push, views)))
+        ticks, answer = fut.result(5)
+        assert answer == proto.PushChunksReply(2, 3)
+        assert (ticks > 0) == (threshold == 1)
+        # The bytes are those sent: the commit's checksums verify, and the pages hold them.
+        objs = receiver._inbound[reply.alloc_id].objs
+        assert [bytes(o.raw.numpy()) for o in objs] == frames
+        sums = [payload_checksum(f) for f in frames]
+        commit = proto.CommitChunks(3, proto.PROTOCOL_VERSION, reply.alloc_id, sums)
+        done = decoder.loop.submit(receiver.commit(commit)).result(5)
+        assert done == proto.CommitChunksReply(3, 3, 0)
+    finally:
+        decoder.close()
+
+
+def test_a_cancel_while_frames_are_copied_frees_the_pages_after_the_copy(monkeypatch) -> None:
+    monkeypatch.setattr(channel_zmq, "COPY_ON_LOOP_BELOW", 1)
+    started, go = threading.Event(), threading.Event()
+    copy = pd_receiver._write_regions
+
+    def held_copy(copies) -> None:
+        started.set()
+        assert go.wait(5)
+        copy(copies)
+
+    monkeypatch.setattr(pd_receiver, "_write_regions", held_copy)
+    decoder = make("receiver", "zmq", seed=None)
+    try:
+        receiver = decoder.pd_receiver
+        reply = _on_loop(decoder, lambda: receiver.alloc(_alloc(decoder, 2, CHUNK, deadline=0.0)))
+        frames = [memoryview(b"\x07" * s.nbytes) for s in reply.slots]
+        push = proto.PushChunks(2, proto.PROTOCOL_VERSION, reply.alloc_id, -1, [0, 1])
+        fut = decoder.loop.submit(receiver.push(push, frames))
+        assert started.wait(5)
+        cancel = proto.CancelChunks(3, proto.PROTOCOL_VERSION, reply.alloc_id)
+        cancelled = _on_loop(decoder, lambda: receiver.cancel(cancel))
+        assert cancelled == proto.CancelChunksReply(3, True)
+        # Cancelled, but the thread still writes into both pages: they stay taken.
+        assert receiver.pages == 0 and decoder.pool.used_pages == 2
+        go.set()
+        assert fut.result(5) == proto.PushChunksReply(2, 2)
+        deadline = time.monotonic() + 2.0
+        while decoder.pool.used_pages and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert decoder.pool.used_pages == 0
+    finally:
+        go.set()
+        decoder.close()
