@@ -150,9 +150,8 @@ static PyObject *chain(fill_fn fill, void *src, Py_ssize_t n_tokens, Py_ssize_t 
     return out;
 }
 
-static int fill_items(void *src, Py_ssize_t first, Py_ssize_t count, unsigned char *dst)
+static int fill_items_checked(PyObject **items, Py_ssize_t count, unsigned char *dst)
 {
-    PyObject **items = (PyObject **)src + first;
     for (Py_ssize_t i = 0; i < count; i++) {
         uint32_t v;
         int got = token_of(items[i], &v);
@@ -161,6 +160,33 @@ static int fill_items(void *src, Py_ssize_t first, Py_ssize_t count, unsigned ch
         put_u32(dst + 4 * i, v);
     }
     return 0;
+}
+
+static int fill_items(void *src, Py_ssize_t first, Py_ssize_t count, unsigned char *dst)
+{
+    PyObject **items = (PyObject **)src + first;
+#if PY_VERSION_HEX < 0x030C0000 && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    /* Every id below 2**30 is an exact int of at most one digit. Read them all with no
+     * branch, note whether any was something else, and only then take the careful
+     * path: the branches per id cost more than the reading (AMD VM, 2026-11-26, 8192
+     * ids: 2.8-3.3 against 4.2-4.3 ns a token; checking every type in a first pass,
+     * 3.1-3.5). */
+    static PyLongObject not_an_int; /* size 0: what is read in place of another object */
+    uint32_t *out = (uint32_t *)(void *)dst; /* 4-byte aligned: after the digest */
+    size_t bad = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *o = items[i];
+        int exact = Py_IS_TYPE(o, &PyLong_Type);
+        /* Only an int's own fields are read: another object may be too small. */
+        PyLongObject *n = exact ? (PyLongObject *)o : &not_an_int;
+        Py_ssize_t size = Py_SIZE(n);
+        bad |= (size_t)!exact | ((size_t)size > 1);
+        out[i] = size ? (uint32_t)n->ob_digit[0] : 0; /* a zero has no digit to trust */
+    }
+    if (!bad)
+        return 0;
+#endif
+    return fill_items_checked(items, count, dst);
 }
 
 static int fill_u32(void *src, Py_ssize_t first, Py_ssize_t count, unsigned char *dst)

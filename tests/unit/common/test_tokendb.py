@@ -504,3 +504,39 @@ def test_items_that_are_not_exact_ints_take_the_python_path() -> None:
 
     tokens = [1, 2, True, 3, 5, Index(), 8, 9]
     assert db().chunk_hashes(tokens) == expected_chain([1, 2, 1, 3, 5, 3, 8, 9], CS)
+
+
+@pytest.mark.parametrize(
+    "stranger",
+    [object(), None, 1.5, "7", b"\x07"],
+    ids=["object", "None", "float", "str", "bytes"],
+)
+@pytest.mark.parametrize("where", [0, CS - 1, 5 * CS + 2])
+def test_a_stranger_among_the_ids_is_refused_wherever_it_stands(
+    stranger: object, where: int
+) -> None:
+    # The list reader reads every item of a chunk before it checks any: an object that
+    # is not an int (a 16-byte object() included) must be neither read as an id nor
+    # crash it; the Python path refuses it as for any input.
+    tokens: list = list(range(6 * CS))
+    tokens[where] = stranger
+    with pytest.raises(TypeError):
+        db().chunk_hashes(tokens)
+    with pytest.raises(TypeError):
+        python_only(db().chunk_hashes, tokens)
+
+
+def test_large_lists_of_every_id_kind_agree_with_the_python_chain() -> None:
+    # Chunks of 256 ids: one of small cached ints, one of ids up to 2**30, one with an
+    # id of two digits, one of zeros; each must hash as the Python chain does.
+    gen = torch.Generator().manual_seed(5)
+    parts = [
+        torch.randint(0, 256, (256,), generator=gen).tolist(),
+        torch.randint(0, 2**30, (256,), generator=gen).tolist(),
+        [*torch.randint(0, 152_064, (255,), generator=gen).tolist(), 2**32 - 1],
+        [0] * 256,
+    ]
+    tokens = [t for part in parts for t in part]
+    database = db(chunk_size=256)
+    assert database.chunk_hashes(tokens) == python_only(database.chunk_hashes, tokens)
+    assert database.chunk_hashes(tokens) == database.chunk_hashes(torch.tensor(tokens))
