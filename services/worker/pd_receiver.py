@@ -22,6 +22,7 @@ copies of large pushed frames, which run on a thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import Sequence
@@ -32,7 +33,7 @@ import numpy as np
 
 from kvmesh.common.chunk_codec import chunk_checksums, dtype_name
 from kvmesh.common.keys import ChunkKey
-from kvmesh.common.memory import MemoryFormat, MemoryObj
+from kvmesh.common.memory import MemoryFormat, MemoryObj, MemoryObjFreedError
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import p2p as proto
 from kvmesh.common.transport import channel_zmq
@@ -200,7 +201,7 @@ class PdReceiver:
                     f"chunk {index} layer {msg.layer}: {len(frame)} bytes for "
                     f"{sum(n for _, n in regions)}",
                 )
-            copies.append(_Copy(obj, regions, frame))
+            copies.append(_Copy(obj, obj.raw.numpy(), regions, frame))
         if sum(len(c.frame) for c in copies) < channel_zmq.COPY_ON_LOOP_BELOW:
             _write_regions(copies)
         else:
@@ -360,17 +361,17 @@ class PdReceiver:
 @dataclass
 class _Copy:
     obj: MemoryObj
+    dst: np.ndarray  # obj's bytes: a view that keeps the pool's memory alive
     regions: list[tuple[int, int]]  # (offset, bytes) in obj, filled in order from frame
     frame: memoryview
 
 
 def _write_regions(copies: Sequence[_Copy]) -> None:
     for c in copies:
-        raw = c.obj.raw.numpy()
         src = np.frombuffer(c.frame, dtype=np.uint8)
         pos = 0
         for off, n in c.regions:
-            raw[off : off + n] = src[pos : pos + n]
+            c.dst[off : off + n] = src[pos : pos + n]
             pos += n
 
 
@@ -383,7 +384,8 @@ async def _write_regions_off_loop(copies: Sequence[_Copy]) -> None:
 
     def release(_: object = None) -> None:
         for c in copies:
-            c.obj.ref_down()
+            with contextlib.suppress(MemoryObjFreedError):  # the pool closed meanwhile
+                c.obj.ref_down()
 
     copying = asyncio.ensure_future(asyncio.to_thread(_write_regions, copies))
     copying.add_done_callback(release)
