@@ -26,7 +26,7 @@ from __future__ import annotations
 import array
 import ctypes
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import repeat
 from typing import Protocol, TypeAlias, runtime_checkable
 
@@ -132,7 +132,7 @@ def _token_view(tokens: TokenInput) -> memoryview:
 def _tensor_view(tokens: torch.Tensor) -> memoryview:
     if tokens.dim() != 1:
         raise ValueError(f"token tensor must be 1-D, got shape {tuple(tokens.shape)}")
-    if tokens.device.type != "cpu":
+    if not tokens.is_cpu:
         tokens = tokens.cpu()
     n = tokens.numel()
     if n == 0:
@@ -255,11 +255,11 @@ class ChunkedTokenDatabase:
                 f"chunk_size ({size}) or cover every token"
             )
         first = -(-skip // size)
-        todo = hashes[first:]
+        todo = hashes[first:] if first else hashes
         begin, stop = first * size, (first + len(todo)) * size
-        ends = list(range(begin + size, stop + size, size))
-        if ends and ends[-1] > n_tokens:
-            ends[-1] = n_tokens  # only the last chunk can be short
+        ends: Iterable[int] = range(begin + size, stop + size, size)
+        if todo and stop > n_tokens:  # only the last chunk can be short
+            ends = [*range(begin + size, stop, size), n_tokens]
         # zip and map iterate in C: no Python frame per chunk, and keys are built only
         # as far as the caller reads.
         keys = map(ChunkKey, repeat(self.namespace.ns_id), todo)
@@ -282,13 +282,14 @@ class ChunkedTokenDatabase:
                     return hashes, len(tokens)
             elif (
                 isinstance(tokens, torch.Tensor)
+                # is_cpu, not device.type: building the device object costs ~0.6 µs,
+                # a tenth of hashing 8k tokens.
+                and tokens.is_cpu
                 and tokens.dim() == 1
-                and tokens.device.type == "cpu"
-                and tokens.dtype in _NATIVE_DTYPES
                 and tokens.is_contiguous()
+                and (kind := _NATIVE_DTYPES.get(tokens.dtype)) is not None
             ):
                 n = tokens.numel()
-                kind = _NATIVE_DTYPES[tokens.dtype]
                 args = (tokens.data_ptr(), n, kind, self.chunk_size, unfull, self._seed)
                 return native.chain_memory(*args), n
         view = _token_view(tokens)
