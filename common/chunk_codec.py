@@ -64,6 +64,7 @@ import asyncio
 import ctypes
 import os
 import struct
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
@@ -154,6 +155,40 @@ def payload_checksum(data: memoryview | bytes) -> int:
     return h.intdigest()
 
 
+_summing_lock = threading.Lock()
+_summing: dict[int, threading.Event] = {}  # id(obj) → set once obj.checksum is written
+
+
+def raw_checksum(obj: MemoryObj) -> int:
+    """The xxh3-64 of obj's bytes, computed once and kept in `obj.checksum` (a stored
+    chunk's bytes never change). The disk and remote tiers take a new chunk on their
+    own threads at the same moment: the second to ask waits for the first one's hash
+    instead of reading every byte again."""
+    while True:
+        known = obj.checksum
+        if known is not None:
+            return known
+        with _summing_lock:
+            if obj.checksum is not None:
+                continue
+            busy = _summing.get(id(obj))
+            if busy is None:
+                busy = _summing[id(obj)] = threading.Event()
+                mine = True
+            else:
+                mine = False
+        if not mine:
+            busy.wait()  # then read what the other thread kept (or hash it here)
+            continue
+        try:
+            checksum = obj.checksum = payload_checksum(chunk_bytes(obj))
+            return checksum
+        finally:
+            with _summing_lock:
+                del _summing[id(obj)]
+            busy.set()
+
+
 # Below this many bytes per batch, hashing on one more thread does not pay.
 _PARALLEL_HASH_BYTES = 16 << 20
 
@@ -226,7 +261,7 @@ def describe(
     """The uncompressed header of obj's bytes under key. checksum, when the caller
     already has it (`MemoryObj.checksum`), spares hashing the bytes again."""
     if checksum is None:
-        checksum = payload_checksum(chunk_bytes(obj))
+        checksum = raw_checksum(obj)
     return ChunkHeader(
         key,
         tuple(int(d) for d in obj.shape),

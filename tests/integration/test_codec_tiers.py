@@ -5,6 +5,7 @@ the wire and on disk."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from kvtest.paged import bits, make_cache, slot_tokens
 from kvtest.remote import CacheServerProcess
 
+from kvmesh.common import chunk_codec
 from kvmesh.common.config import DiskConfig, EngineConfig, L1Config, RemoteConfig
 from kvmesh.services.worker.engine import KVEngine
 from kvmesh.services.worker.tiers.disk_format import CHUNK_SUFFIX
@@ -106,5 +108,45 @@ def test_store_evict_l1_retrieve_through_disk_then_remote(
                 assert 0 < err <= bound, (tier, err, bound)
             else:
                 assert torch.equal(bits(got), bits(want)), tier
+    finally:
+        eng.close()
+
+
+def test_a_chunk_stored_to_disk_and_remote_is_hashed_once(
+    server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Both tiers need the chunk's xxh3 and take the chunk on their own threads at the
+    # same moment: one hashes, the other waits for that hash. A slowed hash makes the
+    # two overlap every time.
+    chunk_sized: list[int] = []
+    real = chunk_codec.payload_checksum
+
+    def slow(data) -> int:
+        chunk_sized.append(len(data))
+        time.sleep(0.05)
+        return real(data)
+
+    monkeypatch.setattr(chunk_codec, "payload_checksum", slow)
+    view, layers, kind = make_cache(
+        "cpu", torch.bfloat16, False, blocks=BLOCKS, layers=3, heads=2, head_dim=32
+    )
+    fill_compressible(layers)
+    prompt = list(range(3000, 3000 + TOKENS))
+    slots = torch.randperm(SLOTS)[:TOKENS]
+    want = slot_tokens(layers, kind)[:, slots]
+    eng = engine(server.url, tmp_path / "disk", view, "none", "hash-once")
+    try:
+        assert eng.store(prompt, slots) == TOKENS
+        assert eng.storage.tier("disk").flush(10) and eng.storage.tier("remote").flush(10)
+        chunk = want.numel() * want.element_size() // (TOKENS // 64)
+        assert chunk_sized.count(chunk) == TOKENS // 64
+        # Both copies carry that checksum: each reads back whole, the one above emptied.
+        for tier, cleared in (("disk", ["l1"]), ("remote", ["l1", "disk"])):
+            for name in cleared:
+                eng.clear(tier=name)
+            for t in layers:
+                t.zero_()
+            assert bool(eng.retrieve(prompt, slots).all()), tier
+            assert torch.equal(bits(slot_tokens(layers, kind)[:, slots]), bits(want)), tier
     finally:
         eng.close()

@@ -4,7 +4,9 @@ of damage (payload, header, truncation, another key) caught as CorruptChunk."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+import time
 
 import pytest
 import torch
@@ -157,6 +159,36 @@ def test_describe_hashes_the_chunk_once_given_its_checksum() -> None:
         # A checksum the caller already has is taken as is, not recomputed.
         assert describe(KEY, obj, 42).checksum == 42
         obj.ref_down()
+
+
+def test_threads_asking_for_one_chunks_checksum_hash_it_once(monkeypatch) -> None:
+    # The disk and remote tiers take a new chunk on their own threads at once: whoever
+    # asks while another hashes the same chunk waits for that hash.
+    calls: list[int] = []
+    real = chunk_codec.payload_checksum
+
+    def slow(data) -> int:
+        calls.append(len(data))
+        time.sleep(0.2)  # long enough that every thread below asks meanwhile
+        return real(data)
+
+    monkeypatch.setattr(chunk_codec, "payload_checksum", slow)
+    with HostMemoryPool(1 << 20, 64 * 1024, pin_memory=False) as pool:
+        objs = [
+            pool.allocate((2, 2, 16, 64), torch.float16, MemoryFormat.KV_2LTD) for _ in range(2)
+        ]
+        for i, obj in enumerate(objs):
+            assert obj is not None
+            obj.raw.copy_(torch.full((obj.nbytes,), i + 1, dtype=torch.uint8))
+        with concurrent.futures.ThreadPoolExecutor(8) as pool_threads:
+            got = list(pool_threads.map(lambda o: describe(KEY, o).checksum, objs * 4))
+        want = [xxhash.xxh3_64_intdigest(bytes(chunk_bytes(o))) for o in objs]
+        assert got == want * 4
+        assert sorted(calls) == [objs[0].nbytes] * 2  # one hash per chunk, not four
+        assert [o.checksum for o in objs] == want  # kept on the chunk
+        assert chunk_codec._summing == {}
+        for obj in objs:
+            obj.ref_down()
 
 
 # --- damage -------------------------------------------------------------------------------
