@@ -59,6 +59,18 @@ def fill_compressible(layers: list[torch.Tensor]) -> None:
         t.copy_(torch.randint(-4, 4, t.shape[:1] + (1,) * (t.dim() - 1), generator=g) + drift / 4)
 
 
+def source(first_token: int):
+    """A filled paged cache, a prompt of TOKENS ids from first_token, the slots it sits
+    in, and the KV those slots hold: (view, layers, kind, prompt, slots, want)."""
+    view, layers, kind = make_cache(
+        "cpu", torch.bfloat16, False, blocks=BLOCKS, layers=3, heads=2, head_dim=32
+    )
+    fill_compressible(layers)
+    prompt = list(range(first_token, first_token + TOKENS))
+    slots = torch.randperm(SLOTS)[:TOKENS]
+    return view, layers, kind, prompt, slots, slot_tokens(layers, kind)[:, slots]
+
+
 def hits(eng: KVEngine, tier: str) -> float:
     return eng.stats.metrics.value("tokens_hit_total", {"tier": tier}) or 0.0
 
@@ -67,13 +79,7 @@ def hits(eng: KVEngine, tier: str) -> float:
 def test_store_evict_l1_retrieve_through_disk_then_remote(
     server, tmp_path: Path, compression: str
 ) -> None:
-    src_view, src_layers, kind = make_cache(
-        "cpu", torch.bfloat16, False, blocks=BLOCKS, layers=3, heads=2, head_dim=32
-    )
-    fill_compressible(src_layers)
-    prompt = list(range(1000, 1000 + TOKENS))
-    src_slots = torch.randperm(SLOTS)[:TOKENS]
-    want = slot_tokens(src_layers, kind)[:, src_slots]
+    src_view, src_layers, kind, prompt, src_slots, want = source(1000)
     eng = engine(server.url, tmp_path / "disk", src_view, compression, "writer")
     try:
         assert eng.store(prompt, src_slots) == TOKENS
@@ -127,13 +133,7 @@ def test_a_chunk_stored_to_disk_and_remote_is_hashed_once(
         return real(data)
 
     monkeypatch.setattr(chunk_codec, "payload_checksum", slow)
-    view, layers, kind = make_cache(
-        "cpu", torch.bfloat16, False, blocks=BLOCKS, layers=3, heads=2, head_dim=32
-    )
-    fill_compressible(layers)
-    prompt = list(range(3000, 3000 + TOKENS))
-    slots = torch.randperm(SLOTS)[:TOKENS]
-    want = slot_tokens(layers, kind)[:, slots]
+    view, layers, kind, prompt, slots, want = source(3000)
     eng = engine(server.url, tmp_path / "disk", view, "none", "hash-once")
     try:
         assert eng.store(prompt, slots) == TOKENS
