@@ -23,6 +23,12 @@ except ImportError:
 
 _PACKED_IN_C = (list, tuple, set, frozenset)
 
+
+def native_packer_available() -> bool:
+    """Whether the C helper that packs chunk ints was built and loads."""
+    return _chunk_ints is not None
+
+
 TIER_BITS = 4
 TIER_INDEX = {"l1": 0, "disk": 1, "remote": 2}
 OTHER_TIER = 3

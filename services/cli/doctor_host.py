@@ -76,7 +76,7 @@ def check_native() -> list[Check]:
         ("token hasher", tokendb.native_chain_available(), "keys hashed in Python (2-5x slower)"),
         (
             "chunk-int packer",
-            chunk_holders._chunk_ints is not None,
+            chunk_holders.native_packer_available(),
             "controller snapshots packed in Python (~3x slower)",
         ),
     ]
