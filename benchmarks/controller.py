@@ -14,6 +14,9 @@ talks to it through the protocol's own client:
 - **lookup**: with 1M chunks registered (the ingest's), P2P lookups of a 16-key prefix
   one at a time from a second client; p50/p99 of the whole round trip (client encode,
   loopback, controller decode + registry + reply). Half the lookups hit, half miss.
+- **resync**: then the worker sends its whole state (`FullState` of every key, as after a
+  sequence gap or a controller restart) while the second client goes on with lookups:
+  the time to the state's reply, and the lookups' latency meanwhile (p99, max).
 - **memory**: in this process, a `Registry` fed 1M admits of distinct keys, RSS
   before/after (keys already built): bytes per chunk and MiB per million chunks.
 
@@ -112,6 +115,19 @@ async def ingest_and_lookup(url: str, chunks: int, lookups: int) -> dict:
         lat.append(time.perf_counter() - t)
         hits += r.count == 16
     assert hits == (lookups + 1) // 2, hits
+    # Resync: the worker sends its whole state (after a sequence gap or a controller
+    # restart) while the second client goes on looking up, one lookup at a time.
+    full = proto.FullState(w.next_rid(), reg.worker_id, chunks, {"l1": ks})
+    t0 = time.perf_counter()
+    sent = asyncio.ensure_future(w.request(full, proto.FullStateReply, deadline_s=120.0))
+    during = []
+    while not sent.done():
+        t = time.perf_counter()
+        await q.request(proto.P2PLookup(q.next_rid(), ks[:16], "asker"), proto.P2PLookupReply)
+        during.append(time.perf_counter() - t)
+    full_s = time.perf_counter() - t0
+    assert (await sent).chunks == chunks
+    during.sort()
     await q.close()
     await w.close()
     gc.unfreeze()
@@ -123,6 +139,12 @@ async def ingest_and_lookup(url: str, chunks: int, lookups: int) -> dict:
         "lookup_p50_ms": round(statistics.median(lat) * 1e3, 3),
         "lookup_p99_ms": round(lat[int(len(lat) * 0.99) - 1] * 1e3, 3),
         "lookups": lookups,
+        "full_state_s": round(full_s, 3),
+        "lookups_during_full_state": len(during),
+        "lookup_p99_during_full_state_ms": round(during[int(len(during) * 0.99) - 1] * 1e3, 3)
+        if len(during) >= 100
+        else None,
+        "lookup_max_during_full_state_ms": round(during[-1] * 1e3, 3),
     }
 
 
@@ -190,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"lookup (16 keys, round trip): p50 {wire['lookup_p50_ms']} ms, "
             f"p99 {wire['lookup_p99_ms']} ms over {wire['lookups']} lookups"
+        )
+        print(
+            f"full state of {chunks:,} keys applied in {wire['full_state_s']} s; "
+            f"{wire['lookups_during_full_state']} lookups meanwhile, "
+            f"p99 {wire['lookup_p99_during_full_state_ms']} ms, "
+            f"max {wire['lookup_max_during_full_state_ms']} ms"
         )
         print(
             f"registry: {mem['bytes_per_chunk']} B/chunk = {mem['mib_per_million']} MiB per "

@@ -131,7 +131,8 @@ class RouterLoop:
     def spawn(
         self, peer: bytes, msg: Any, handler: Callable[..., Awaitable[Answer]], *args: Any
     ) -> None:
-        """Answer msg with what `handler(*args)` returns, from a task (in `inflight`)."""
+        """Answer msg with what `handler(*args)` returns, from a task (in `inflight`);
+        a reply of None: the handler answered itself."""
         task = asyncio.get_running_loop().create_task(self._answer(peer, msg, handler, args))
         self.inflight.add(task)
         task.add_done_callback(self.inflight.discard)
@@ -146,7 +147,8 @@ class RouterLoop:
             internal = self.codec.codes.INTERNAL
             self._stats.errors[internal].inc()
             reply, values = self.codec.error_reply(msg.rid, internal, repr(exc)), ()
-        self.send(peer, reply, values)
+        if reply is not None:
+            self.send(peer, reply, values)
         self._on_readable()  # the send may have swallowed the FD's edge
 
     def _on_readable(self) -> None:

@@ -1,14 +1,17 @@
 """The controller's request handlers: one per message type, in one dispatch table.
 
 Sync handlers (registry work, all in memory) return the reply, or None for the
-fire-and-forget messages (KV event batches, command replies). Admin commands fan out
-to workers and are `async`: the server runs them as tasks and sends what they return.
+fire-and-forget messages (KV event batches, command replies), or a coroutine for work
+too long for one loop step (a full state, an index snapshot): begun in order by the
+handler, finished by a task whose result is the reply. Admin commands fan out to
+workers and are `async`: the server runs them as tasks and sends what they return.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from kvmesh.common.keys import NS_ID_HEX_LEN
@@ -26,6 +29,9 @@ MAX_COMPRESS_S = 3600.0
 # A worker registers one namespace per model/layout it serves: a handful.
 MAX_NAMESPACES = 64
 MAX_HEARTBEAT_S = 86_400.0
+# Event batches held back while a worker's full state is applied (~2 s a million
+# keys); beyond this many the rest are dropped and the worker resyncs once it is in.
+MAX_HELD_BATCHES = 4096
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -142,7 +148,11 @@ class Handlers:
             return self._not_registered(msg)
         # Batches and this heartbeat share one ordered connection: a last_seq ahead of
         # what arrived means events were lost on the way.
-        resync = msg.last_seq > entry.last_seq and self._resync(entry, "events lost")
+        resync = (
+            entry.held is None
+            and msg.last_seq > entry.last_seq
+            and self._resync(entry, "events lost")
+        )
         return proto.HeartbeatReply(msg.rid, resync)
 
     def events(self, peer: bytes, msg: proto.KVEventBatch) -> Any:
@@ -151,6 +161,12 @@ class Handlers:
             return self._not_registered(msg)
         if len(msg.events) > proto.MAX_EVENTS_PER_BATCH:
             return proto.error_reply(msg.rid, ErrorCode.BAD_REQUEST, "batch too large")
+        if entry.held is not None:  # its full state is being applied: these follow it
+            if len(entry.held) < MAX_HELD_BATCHES:
+                entry.held.append(msg)
+            else:
+                entry.held_overflow = True
+            return None
         if entry.resync_sent:
             # Waiting for its FullState, which covers these events; re-ask if it is late.
             self._resync(entry, "full state overdue")
@@ -182,11 +198,36 @@ class Handlers:
         entry = self._entry(peer, msg.worker_id)
         if entry is None:
             return self._not_registered(msg)
-        n = self.registry.replace_state(entry, msg.tiers)
+        # Batches after this message are later than the state: held until it is in.
+        # A full state arriving while another is applied supersedes it.
+        entry.held, entry.held_overflow = [], False
+        steps = self.registry.replace_steps(entry, msg.tiers)
+        return self._apply_full_state(peer, entry, msg, steps)
+
+    async def _apply_full_state(
+        self, peer: bytes, entry: WorkerEntry, msg: proto.FullState, steps: Iterator[None]
+    ) -> Any:
+        gen = entry.state_gen
+        try:
+            for _ in steps:
+                await asyncio.sleep(0)
+        finally:
+            steps.close()
+        if entry.state_gen != gen or self.registry.workers.get(entry.worker_id) is not entry:
+            # Superseded by a later full state (which holds the batches now), or gone.
+            return proto.error_reply(
+                msg.rid, ErrorCode.NOT_REGISTERED, "full state superseded or worker gone"
+            )
+        held, overflow = entry.held or [], entry.held_overflow
+        entry.held, entry.held_overflow = None, False
         if self.events_pub is not None:
             self.events_pub.state(entry, msg.tiers)
         entry.last_seq, entry.resync_sent = msg.seq, 0.0
-        return proto.FullStateReply(msg.rid, n)
+        for batch in held:
+            self.events(peer, batch)
+        if overflow:
+            self._resync(entry, "events dropped while the full state was applied")
+        return proto.FullStateReply(msg.rid, sum(len(s) for s in entry.tiers.values()))
 
     def command_reply(self, peer: bytes, msg: proto.CommandReply) -> Any:
         self.fanout.on_reply(msg)

@@ -11,10 +11,18 @@ subscriber finds out from the next `IndexTick`, which answers its ping behind ev
 push it counts, and subscribes again. A subscriber that stops pinging is forgotten
 after `timeout_s`. With no subscriber the registry builds no runs and nothing is
 encoded: an unfollowed controller pays nothing for the feed.
+
+A snapshot is packed a step at a time (a million chunks take 0.1-0.4 s) while the
+controller goes on serving and changing the registry. It carries the seq of its
+first step; the pushes made meanwhile wait for the new subscriber in its own queue and
+go out right behind the snapshot. A worker packed late already shows some of them:
+applying them again is harmless, since each is an admit, evict, join, leave or full
+replacement that the state after it no longer depends on how many times it ran.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Callable
@@ -24,7 +32,7 @@ from kvmesh.common.chunk_holders import pack_ints
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import controller as proto
 from kvmesh.common.protocol.controller import ErrorCode
-from kvmesh.services.controller.registry import Registry, Run, WorkerEntry
+from kvmesh.services.controller.registry import PackedWorker, Registry, Run, WorkerEntry
 from kvmesh.services.controller.stats import ControllerStats
 
 log = get_logger(__name__)
@@ -45,6 +53,8 @@ class IndexFeed:
         self.epoch = uuid.uuid4().hex
         self.seq = 0
         self.subscribers: dict[bytes, float] = {}  # peer → last ping (monotonic)
+        # peer → pushes held back while its snapshot is packed
+        self._waiting: dict[bytes, list[Any]] = {}
         self._registry = registry
         self._send = send
         self._stats = stats
@@ -65,11 +75,28 @@ class IndexFeed:
         self.subscribers[peer] = time.monotonic()
         self._stats.index_subscribers.set(len(self.subscribers))
         self._stats.index_snapshots.inc()
-        workers = [
-            proto.IndexWorkerState(_worker(e), {t: pack_ints(keys) for t, keys in e.tiers.items()})
-            for e in self._registry.workers.values()
-        ]
-        return proto.IndexSnapshotReply(msg.rid, self.epoch, self.seq, workers)
+        # A new queue also orphans one of an earlier subscribe still being packed.
+        self._waiting[peer] = queue = []
+        return self._snapshot(peer, msg.rid, self.seq, queue)
+
+    async def _snapshot(self, peer: bytes, rid: int, seq: int, queue: list[Any]) -> Any:
+        parts: list[PackedWorker] = []
+        try:
+            for _ in self._registry.pack_workers(parts):
+                await asyncio.sleep(0)
+        except BaseException:
+            if self._waiting.get(peer) is queue:
+                del self._waiting[peer]
+                self.subscribers.pop(peer, None)
+            raise
+        if self._waiting.get(peer) is not queue:
+            return None  # a later subscribe of this peer took over
+        del self._waiting[peer]
+        workers = [proto.IndexWorkerState(_worker(e), tiers) for e, _, tiers in parts]
+        self._send(peer, proto.IndexSnapshotReply(rid, self.epoch, seq, workers))
+        for msg in queue:
+            self._send(peer, msg)
+        return None  # answered above, the held pushes right behind
 
     def ping(self, peer: bytes, msg: proto.IndexPing) -> Any:
         if msg.epoch != self.epoch or peer not in self.subscribers:
@@ -80,7 +107,11 @@ class IndexFeed:
         return proto.IndexTick(msg.rid, self.epoch, self.seq)
 
     def expire(self, now: float) -> None:
-        gone = [p for p, t in self.subscribers.items() if now - t > self._timeout_s]
+        gone = [
+            p
+            for p, t in self.subscribers.items()
+            if now - t > self._timeout_s and p not in self._waiting
+        ]
         for peer in gone:
             del self.subscribers[peer]
             log.info("index subscriber dropped: no ping", peer=peer.hex())
@@ -96,9 +127,8 @@ class IndexFeed:
         if self.subscribers:
             self._push(proto.WorkerLeft(0, self.epoch, self.seq + 1, worker_id))
 
-    def replaced(self, entry: WorkerEntry) -> None:
+    def replaced(self, entry: WorkerEntry, tiers: dict[str, bytes]) -> None:
         if self.subscribers:
-            tiers = {t: pack_ints(keys) for t, keys in entry.tiers.items()}
             self._push(proto.WorkerReplaced(0, self.epoch, self.seq + 1, entry.worker_id, tiers))
 
     def events(self, entry: WorkerEntry, runs: list[Run]) -> None:
@@ -110,7 +140,11 @@ class IndexFeed:
         self.seq += 1
         self._stats.index_pushes.inc()
         for peer in self.subscribers:
-            self._send(peer, msg)
+            queue = self._waiting.get(peer)
+            if queue is None:
+                self._send(peer, msg)
+            else:
+                queue.append(msg)
 
 
 def _worker(e: WorkerEntry) -> proto.IndexWorker:

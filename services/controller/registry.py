@@ -11,6 +11,14 @@ other), so "who holds this in L1" is a mask test and a longest-prefix lookup is 
 running AND over the keys. Each worker also keeps one set per tier of its chunk ints
 (the same int objects), so dropping a worker costs O(its chunks), not O(all).
 
+Nothing here walks a worker's chunks in one go on the caller's event loop: a million
+chunks cost 0.1-0.4 s to pack and ~4 s to parse from key strings, long enough to miss
+other workers' heartbeats. A worker that leaves or is replaced gives up its slot,
+whose bits `sweep` clears a step at a time before the slot is given out again (lookups
+only read the slots of workers present); a full state is parsed under a fresh slot a
+step at a time (`replace_steps`) and takes effect at once when complete; snapshots are
+packed a step at a time (`pack_workers`).
+
 Every change is also told to `sink` when one is set (index_feed.py, which pushes them
 to the lookup-servers' copies): a worker (re)registered or gone, a worker's state
 replaced, and each event batch as runs of chunk ints.
@@ -21,7 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
@@ -38,6 +46,8 @@ from kvmesh.common.protocol.controller import CHUNK_INT_MASK
 
 _KEY_LEN = 49  # "<16 hex namespace>-<32 hex hash>"
 SNAPSHOT_VERSION = 1
+# Chunks per step of the stepwise walks: ~5-20 ms of parsing, packing or clearing.
+STEP = 8192
 
 
 def chunk_int(key: str) -> int:
@@ -64,6 +74,10 @@ class WorkerEntry:
     resync_sent: float = 0.0  # monotonic time of a pending Resync, 0 = none pending
     tiers: dict[str, set[int]] = field(default_factory=dict)
     lookup_endpoint: str = ""
+    state_gen: int = 0  # bumped by each full state begun (replace_steps)
+    # Event batches that arrived while a full state is applied (None: none is).
+    held: list[Any] | None = None
+    held_overflow: bool = False
 
     def bit(self, tier: str) -> int:
         return tier_bit(self.slot, tier)
@@ -87,7 +101,7 @@ class RegistrySink(Protocol):
     def active(self) -> bool: ...  # False: nobody listens, runs need not be built
     def joined(self, entry: WorkerEntry) -> None: ...
     def left(self, worker_id: str) -> None: ...
-    def replaced(self, entry: WorkerEntry) -> None: ...
+    def replaced(self, entry: WorkerEntry, tiers: dict[str, bytes]) -> None: ...
     def events(self, entry: WorkerEntry, runs: list[Run]) -> None: ...
 
 
@@ -110,7 +124,27 @@ class Snapshot(msgspec.Struct, array_like=True):
     workers: list[_SnapWorker]
 
 
-def encode_snapshot(workers: list[_SnapWorker]) -> bytes:
+# (worker, its last_seq when taken, tier → packed chunk ints): Registry.pack_workers
+PackedWorker = tuple["WorkerEntry", int, dict[str, bytes]]
+
+
+def _snap_worker(e: WorkerEntry, last_seq: int, tiers: dict[str, bytes]) -> _SnapWorker:
+    return _SnapWorker(
+        e.worker_id,
+        e.instance_id,
+        e.rank,
+        e.world_size,
+        e.namespaces,
+        e.p2p_endpoint,
+        e.heartbeat_s,
+        last_seq,
+        tiers,
+        e.lookup_endpoint,
+    )
+
+
+def encode_snapshot(parts: list[PackedWorker]) -> bytes:
+    workers = [_snap_worker(*p) for p in parts]
     return msgspec.msgpack.encode(Snapshot(SNAPSHOT_VERSION, time.time(), workers))
 
 
@@ -119,6 +153,8 @@ class Registry:
         self.workers: dict[str, WorkerEntry] = {}
         self.holders: dict[int, int] = {}
         self._slots: list[WorkerEntry | None] = []
+        # slot → the sets of chunks that may still carry its bits (sweep clears them)
+        self._retired: dict[int, list[set[int]]] = {}
         self.bad_keys = 0
         self.sink: RegistrySink | None = None
 
@@ -164,35 +200,51 @@ class Registry:
 
     def _free_slot(self) -> int:
         for i, e in enumerate(self._slots):
-            if e is None:
+            if e is None and i not in self._retired:
                 return i
         self._slots.append(None)
         return len(self._slots) - 1
 
     def drop(self, worker_id: str) -> int:
-        """Forget a worker and its chunks; returns how many chunk copies went."""
+        """Forget a worker and its chunks; returns how many chunk copies went. Its
+        bits are cleared by `sweep` (a step of it now)."""
         entry = self.workers.pop(worker_id, None)
         if entry is None:
             return 0
-        n = self._forget_chunks(entry)
+        n = sum(len(keys) for keys in entry.tiers.values())
         self._slots[entry.slot] = None
+        self._retire(entry.slot, list(entry.tiers.values()))
+        entry.tiers = {}
         if self.sink is not None:
             self.sink.left(worker_id)
         return n
 
-    def _forget_chunks(self, entry: WorkerEntry) -> int:
-        holders, keep = self.holders, ~entry.slot_bits
-        n = 0
-        for keys in entry.tiers.values():
-            n += len(keys)
-            for k in keys:
-                m = holders.get(k, 0) & keep
-                if m:
-                    holders[k] = m
-                else:
-                    holders.pop(k, None)
-        entry.tiers = {}
-        return n
+    def _retire(self, slot: int, sets: list[set[int]]) -> None:
+        self._retired.setdefault(slot, []).extend(sets)
+        self.sweep(STEP)
+
+    def sweep(self, budget: int = STEP) -> bool:
+        """Clear up to `budget` chunks' bits of retired slots; True when none is left
+        (their slots are free again)."""
+        holders = self.holders
+        while self._retired and budget > 0:
+            slot, sets = next(iter(self._retired.items()))
+            keep = ~slot_bits(slot)
+            while sets and budget > 0:
+                keys = sets[-1]  # no longer any worker's: emptied as it is cleared
+                for _ in range(min(budget, len(keys))):
+                    k = keys.pop()
+                    m = holders.get(k, 0) & keep
+                    if m:
+                        holders[k] = m
+                    else:
+                        holders.pop(k, None)
+                    budget -= 1
+                if not keys:
+                    sets.pop()
+            if not sets:
+                del self._retired[slot]
+        return not self._retired
 
     # -- events -------------------------------------------------------------------------
     def apply(self, entry: WorkerEntry, events: list[tuple[int, str, str]]) -> None:
@@ -231,18 +283,63 @@ class Registry:
         if sink is not None and runs:
             sink.events(entry, runs)
 
-    def replace_state(self, entry: WorkerEntry, tiers: dict[str, list[str]]) -> int:
-        """Make the worker's chunks exactly `tiers`; returns its chunk count."""
-        sink, self.sink = self.sink, None  # one `replaced`, not a batch of admits per tier
+    def replace_steps(self, entry: WorkerEntry, tiers: dict[str, list[str]]) -> Iterator[None]:
+        """Make the worker's chunks exactly `tiers` (key strings), STEP keys per step.
+
+        The new chunks go under a fresh slot, and the worker moves to it only when all
+        are in, so a lookup meanwhile sees the old state; the old slot is retired. The
+        caller holds the worker's events back until the last step (they follow the
+        state). Closed early, or its worker gone or given another state meanwhile, it
+        stops and its partial state is retired. Bad keys are skipped and counted.
+        """
+        entry.state_gen += 1  # now: a state begun earlier stops at its next step
+        return self._replace(entry, tiers, entry.state_gen)
+
+    def _replace(self, entry: WorkerEntry, tiers: dict[str, list[str]], gen: int) -> Iterator[None]:
+        slot = self._free_slot()
+        self._slots[slot] = entry  # taken: lookups read only the slots of entry.slot
+        new: dict[str, set[int]] = {}
+        packed: dict[str, list[bytes]] | None = {} if self._sink_active() else None
+        holders, mask, done = self.holders, CHUNK_INT_MASK, False
         try:
-            self._forget_chunks(entry)
             for tier, keys in tiers.items():
-                self.apply(entry, [(1, key, tier) for key in keys])
+                bit, ints = tier_bit(slot, tier), new.setdefault(tier, set())
+                for start in range(0, len(keys), STEP):
+                    step: list[int] = []
+                    for key in keys[start : start + STEP]:
+                        # chunk_int, inlined: a call per key is a fifth of the step.
+                        if len(key) != _KEY_LEN or key[16] != "-":
+                            self.bad_keys += 1
+                            continue
+                        try:
+                            k = (int(key[32:], 16) ^ int(key[:16], 16)) & mask
+                        except ValueError:
+                            self.bad_keys += 1
+                            continue
+                        step.append(k)
+                        holders[k] = holders.get(k, 0) | bit
+                    ints.update(step)
+                    if packed is not None:
+                        packed.setdefault(tier, []).append(pack_ints(step))
+                    yield
+                    if self.workers.get(entry.worker_id) is not entry or entry.state_gen != gen:
+                        return
+            old, old_sets = entry.slot, list(entry.tiers.values())
+            entry.slot, entry.tiers = slot, {t: ints for t, ints in new.items() if ints}
+            self._slots[old] = None
+            self._retire(old, old_sets)
+            done = True
         finally:
-            self.sink = sink
-        if sink is not None:
-            sink.replaced(entry)
-        return sum(len(s) for s in entry.tiers.values())
+            if not done:
+                self._slots[slot] = None
+                self._retire(slot, list(new.values()))
+        if self.sink is not None and self.sink.active:
+            if packed is None:  # the first subscriber came meanwhile: pack it all now
+                packed = {t: [pack_ints(keys)] for t, keys in entry.tiers.items()}
+            self.sink.replaced(entry, {t: b"".join(packed[t]) for t in entry.tiers})
+
+    def _sink_active(self) -> bool:
+        return self.sink is not None and self.sink.active
 
     # -- lookups ------------------------------------------------------------------------
     def locate(self, keys: list[str], exclude_instance: str) -> tuple[WorkerEntry, int] | None:
@@ -297,29 +394,30 @@ class Registry:
     # -- snapshot -----------------------------------------------------------------------
     def snapshot(self) -> bytes:
         """The registry as bytes (msgpack): workers and their chunk ints per tier."""
-        return encode_snapshot(list(self.snapshot_workers()))
+        parts: list[PackedWorker] = []
+        for _ in self.pack_workers(parts):
+            pass
+        return encode_snapshot(parts)
 
-    def snapshot_workers(self) -> Iterator[_SnapWorker]:
-        """Each worker's part of a snapshot, one at a time, its chunks and last_seq
-        taken together. Packing costs ~0.1 s per million chunks (reading every int
-        object, common/csrc/chunk_ints.c), so a caller on the event loop lets other
-        work run between workers;
-        a worker changed meanwhile is saved as it is when its turn comes (its sequence
-        number goes with it, so a restored controller resyncs what it missed)."""
+    def pack_workers(self, out: list[PackedWorker]) -> Iterator[None]:
+        """Append (worker, its last_seq, its packed chunk ints per tier) to `out` for
+        each worker present now, STEP chunks per step. A worker's chunks and last_seq
+        are taken together (a copy of its sets: ~30 ms per million) and packed from
+        that copy, so changes between steps do not tear it; a worker that leaves
+        meanwhile is packed as it is when its turn comes (no chunks), which keeps the
+        updates that follow a snapshot applicable to it."""
         for e in list(self.workers.values()):
-            tiers = {t: pack_ints(keys) for t, keys in e.tiers.items()}
-            yield _SnapWorker(
-                e.worker_id,
-                e.instance_id,
-                e.rank,
-                e.world_size,
-                e.namespaces,
-                e.p2p_endpoint,
-                e.heartbeat_s,
-                e.last_seq,
-                tiers,
-                e.lookup_endpoint,
-            )
+            taken = {t: list(keys) for t, keys in e.tiers.items()}
+            last_seq = e.last_seq
+            tiers: dict[str, bytes] = {}
+            for tier, ints in taken.items():
+                parts = []
+                for start in range(0, len(ints), STEP):
+                    parts.append(pack_ints(ints[start : start + STEP]))
+                    yield
+                tiers[tier] = b"".join(parts)
+            out.append((e, last_seq, tiers))
+            yield
 
     def load(self, data: bytes) -> int:
         """Replace the registry with a snapshot's; its workers count as restored (and

@@ -29,6 +29,7 @@ import asyncio
 import gc
 import os
 import time
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ from kvmesh.services.controller.event_replay import EventReplay
 from kvmesh.services.controller.handlers import Handlers
 from kvmesh.services.controller.http import AdminHttp
 from kvmesh.services.controller.index_feed import IndexFeed
-from kvmesh.services.controller.registry import Registry, encode_snapshot
+from kvmesh.services.controller.registry import PackedWorker, Registry, encode_snapshot
 from kvmesh.services.controller.stats import ControllerStats
 
 log = get_logger(__name__)
@@ -214,7 +215,9 @@ class ControllerServer:
         handler = self.handlers.table.get(type(msg))
         if handler is not None:
             reply = handler(peer, msg)
-            if reply is not None:
+            if asyncio.iscoroutine(reply):  # begun in order here, finished by a task
+                self.router.spawn(peer, msg, self._finish, reply)
+            elif reply is not None:
                 self.push(peer, reply)
             return
         if len(self.router.inflight) >= MAX_INFLIGHT_TASKS:
@@ -225,6 +228,9 @@ class ControllerServer:
 
     async def _handle_async(self, handler: Any, peer: bytes, msg: Any) -> Answer:
         return await handler(peer, msg), ()
+
+    async def _finish(self, rest: Coroutine[Any, Any, Any]) -> Answer:
+        return await rest, ()
 
     def _hello(self, peer: bytes, msg: proto.Hello) -> Any:
         if msg.version != proto.PROTOCOL_VERSION:
@@ -256,6 +262,10 @@ class ControllerServer:
                 last_freeze = now
                 gc.freeze()
             self.drop_silent(now)
+            while True:  # chunks of workers gone or replaced, a step per turn
+                if self.registry.sweep():
+                    break
+                await asyncio.sleep(0)
             self.feed.expire(now)
             for peer in [p for p, t in self.sessions.items() if now - t > SESSION_IDLE_S]:
                 del self.sessions[peer]
@@ -285,14 +295,13 @@ class ControllerServer:
         self.stats.chunks.set(self.registry.chunks_total())
 
     async def save_snapshot(self) -> None:
-        """Pack on the loop one worker at a time, serving requests between workers
-        (registry.snapshot_workers); write and rename in a thread."""
+        """Pack on the loop a step at a time, serving requests between steps
+        (registry.pack_workers); encode, write and rename in a thread."""
         t0 = time.perf_counter()
-        workers = []
-        for part in self.registry.snapshot_workers():
-            workers.append(part)
+        parts: list[PackedWorker] = []
+        for _ in self.registry.pack_workers(parts):
             await asyncio.sleep(0)
-        data = encode_snapshot(workers)
+        data = await asyncio.to_thread(encode_snapshot, parts)
         path = self.config.snapshot_path
         try:
             await asyncio.to_thread(_write_atomic, path, data)

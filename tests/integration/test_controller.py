@@ -172,6 +172,70 @@ def test_sequence_gap_and_lost_events_ask_for_a_resync(controller) -> None:
     asyncio.run(main())
 
 
+def test_a_large_full_state_goes_in_steps_serving_lookups_and_keeping_later_events(
+    controller,
+) -> None:
+    """200k keys take the controller ~0.5-1 s to parse: it answers other requests
+    meanwhile (a lookup sent after the state is answered first, from the old state), a
+    heartbeat meanwhile asks for no resync, and the batch sent after the state is
+    applied after it."""
+    ns = "0123456789abcdef"
+    keys = [f"{ns}-{i:032x}" for i in range(200_000)]
+    extra = f"{ns}-{'ee' * 16}"
+
+    async def main() -> None:
+        pushes: list = []
+        c = ControllerConnection(controller.url, timeout_s=10.0, on_push=pushes.append)
+        q = ControllerConnection(controller.url, timeout_s=10.0)
+        await c.connect()
+        await q.connect()
+        try:
+            reg = await c.request(
+                proto.Register(c.next_rid(), "S", 0, 1, [ns], "tcp://x:9", 5.0),
+                proto.RegisterReply,
+            )
+            wid, order = reg.worker_id, []
+
+            async def full_state() -> proto.FullStateReply:
+                msg = proto.FullState(c.next_rid(), wid, 0, {"l1": keys})
+                reply = await c.request(msg, proto.FullStateReply, deadline_s=30.0)
+                order.append("full state")
+                return reply
+
+            task = asyncio.create_task(full_state())
+            await asyncio.sleep(0)  # sent
+            c.send(proto.KVEventBatch(0, wid, 1, [(2, keys[0], "l1"), (2, keys[1], "l1")]))
+            c.send(proto.KVEventBatch(0, wid, 3, [(1, extra, "l1")]))
+            hb = await c.request(proto.Heartbeat(c.next_rid(), wid, 3), proto.HeartbeatReply)
+            during = await q.request(
+                proto.P2PLookup(q.next_rid(), keys[2:6], "asker"), proto.P2PLookupReply
+            )
+            order.append("lookup")
+            done = await task
+            assert order == ["lookup", "full state"]
+            assert not hb.resync and during.count == 0  # the old state: none yet
+            assert done.chunks == 200_000 - 2 + 1
+            after = await q.request(
+                proto.P2PLookup(q.next_rid(), [*keys[2:6], extra], "asker"),
+                proto.P2PLookupReply,
+            )
+            assert (after.instance_id, after.count) == ("S", 5)  # extra: admitted after it
+            first = await q.request(
+                proto.P2PLookup(q.next_rid(), keys[:3], "asker"), proto.P2PLookupReply
+            )
+            assert first.count == 0  # evicted after the state
+            listed = await q.request(proto.ListWorkers(q.next_rid()), proto.ListWorkersReply)
+            s = next(w for w in listed.workers if w.worker_id == wid)
+            assert (s.chunks, s.last_seq) == ({"l1": 199_999}, 3)
+            assert not [p for p in pushes if isinstance(p, proto.Resync)]
+            await c.request(proto.Deregister(c.next_rid(), wid), proto.DeregisterReply)
+        finally:
+            await c.close()
+            await q.close()
+
+    asyncio.run(main())
+
+
 def test_register_with_a_namespace_that_is_no_id_is_refused(controller) -> None:
     ns = "0123456789abcdef"
     chunk = bytes.fromhex("ab" * 16)

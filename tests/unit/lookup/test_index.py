@@ -5,6 +5,7 @@ out of sequence, of another epoch or for an unknown worker ask for a resync."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -29,6 +30,23 @@ def key(ns: str, i: int) -> str:
     return f"{ns}-{h(i).hex()}"
 
 
+def subscribe(feed: IndexFeed, peer: bytes, rid: int, sent: list) -> object:
+    """What the feed answers a subscribe: an error at once, or a snapshot it sends
+    (taken off `sent`, which it leads) when its packing coroutine has run."""
+    begun = feed.subscribe(peer, proto.IndexSubscribe(rid))
+    if not asyncio.iscoroutine(begun):
+        return begun
+    assert asyncio.run(begun) is None
+    reply = sent.pop(0)
+    assert isinstance(reply, proto.IndexSnapshotReply)
+    return reply
+
+
+def replace_state(reg: Registry, entry, tiers: dict[str, list[str]]) -> None:
+    for _ in reg.replace_steps(entry, tiers):
+        pass
+
+
 class Wired:
     """A registry with a feed and one subscriber, whose pushes a follower applies."""
 
@@ -42,7 +60,7 @@ class Wired:
             max_subscribers=4,
             timeout_s=10.0,
         )
-        snap = self.feed.subscribe(b"peer", proto.IndexSubscribe(1))
+        snap = subscribe(self.feed, b"peer", 1, self.pushes)
         self.follower = IndexFollower(
             "tcp://127.0.0.1:1",
             Metrics(),
@@ -84,7 +102,7 @@ def test_index_answers_like_the_registry_through_random_changes() -> None:
             del entries[wid]
         elif op < 0.2:
             tiers = {t: [key(NS[rank], i) for i in range(rnd.randrange(12))] for t in TIERS[:2]}
-            w.reg.replace_state(entries[wid], tiers)
+            replace_state(w.reg, entries[wid], tiers)
         else:
             kind = 1 if rnd.random() < 0.7 else 2
             events = [
@@ -189,9 +207,9 @@ def test_the_feed_builds_nothing_without_subscribers_and_expires_silent_ones() -
     e = reg.register("a", 0, 1, [NS[0]], "", 1.0, None)
     reg.apply(e, [(1, key(NS[0], 1), "l1")])
     assert sent == [] and feed.seq == 0
-    snap = feed.subscribe(b"p", proto.IndexSubscribe(3))
+    snap = subscribe(feed, b"p", 3, sent)
     assert [s.worker.worker_id for s in snap.workers] == ["a/0"] and snap.seq == 0
-    full = feed.subscribe(b"q", proto.IndexSubscribe(4))
+    full = subscribe(feed, b"q", 4, sent)
     assert full.code == proto.ErrorCode.SHUTTING_DOWN  # over max_subscribers
     reg.apply(e, [(2, key(NS[0], 1), "l1"), (1, key(NS[0], 2), "l1"), (1, key(NS[0], 3), "l1")])
     (msg,) = sent
@@ -206,6 +224,86 @@ def test_replace_with_nothing_empties_a_worker(tiers: dict) -> None:
     e = w.reg.register("a", 0, 1, [NS[0]], "", 1.0, None)
     w.reg.apply(e, [(1, key(NS[0], i), "l1") for i in range(3)])
     w.same([h(i) for i in range(3)])
-    w.reg.replace_state(e, tiers)
+    replace_state(w.reg, e, tiers)
     w.same([h(i) for i in range(3)])
     assert w.follower.index.prefix_counts([h(0)]) == [("a", 1, 1, 0, 0)]
+
+
+def test_a_snapshot_packed_while_the_registry_changes_then_its_held_pushes_is_the_registry() -> (
+    None
+):
+    """The feed packs a snapshot in steps while workers come, go, come back, are
+    replaced and send events; the pushes made meanwhile follow the snapshot. A follower
+    that applies both ends up with every worker's chunks, tier by tier, as the registry
+    has them, and asks for no resync."""
+    rnd = random.Random(11)
+    reg, sent = Registry(), []
+    feed = IndexFeed(
+        reg, lambda p, m: sent.append(m) or True, ControllerStats(), max_subscribers=4, timeout_s=10
+    )
+    for w in range(4):
+        e = reg.register(f"w{w}", 0, 1, [NS[0]], "", 1.0, None)
+        reg.apply(e, [(1, key(NS[0], i), "l1") for i in range(w * 5000, w * 5000 + 12_000)])
+    ids = list(reg.workers)
+
+    def change() -> None:
+        wid = rnd.choice(ids)
+        entry = reg.workers.get(wid)
+        op = rnd.random()
+        if entry is None:  # back after a drop, chunks and all to come
+            reg.register(wid.split("/")[0], 0, 1, [NS[0]], "", 1.0, None)
+        elif op < 0.1:
+            reg.drop(wid)
+        elif op < 0.2:
+            tiers = {"l1": [key(NS[0], rnd.randrange(40_000)) for _ in range(50)]}
+            replace_state(reg, entry, tiers)
+        else:
+            kind = 1 if op < 0.7 else 2
+            events = [
+                (kind, key(NS[0], rnd.randrange(40_000)), rnd.choice(TIERS)) for _ in range(20)
+            ]
+            reg.apply(entry, events)
+
+    reg.register("w0", 0, 1, [NS[0]], "", 1.0, None)  # refresh: already known
+
+    async def subscribe_while_changing() -> None:
+        task = asyncio.ensure_future(feed.subscribe(b"late", proto.IndexSubscribe(9)))
+        steps = 0
+        while not task.done():
+            if steps == 2:  # w3, not packed yet, goes (with events of its own before)
+                reg.apply(reg.workers["w3/0"], [(1, key(NS[0], 99_999), "l1")])
+                reg.drop("w3/0")
+            elif steps == 4:  # and comes back
+                reg.register("w3", 0, 1, [NS[0]], "", 1.0, None)
+            else:
+                change()
+            steps += 1
+            await asyncio.sleep(0)
+        assert await task is None and steps > 10
+
+    asyncio.run(subscribe_while_changing())
+    snap, *pushes = sent
+    assert isinstance(snap, proto.IndexSnapshotReply) and pushes
+    for _ in range(50):  # and after it, as any subscriber
+        change()
+    pushes = sent[1:]
+    f = IndexFollower(
+        "tcp://127.0.0.1:1",
+        Metrics(),
+        ping_s=0.1,
+        max_staleness_s=1.0,
+        request_timeout_s=0.5,
+        snapshot_timeout_s=1.0,
+    )
+    f.epoch, f.seq, f.index, f._following = snap.epoch, snap.seq, asyncio.run(f._build(snap)), True
+    for push in pushes:
+        f._apply(push)
+    assert not f._resync.is_set(), f._resync_reason
+    index = f.index
+    assert set(index.workers) == set(reg.workers)
+    for wid, entry in reg.workers.items():
+        iw = index.workers[wid]
+        for tier in TIERS:
+            bit = iw.bit(tier)
+            have = {k for k, m in index.holders.items() if m & bit}
+            assert have == entry.tiers.get(tier, set()), (wid, tier)
