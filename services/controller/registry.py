@@ -35,6 +35,7 @@ import msgspec
 
 from kvmesh.common.chunk_holders import (
     TIER_BITS,
+    WALK_STEP,
     PrefixRow,
     pack_ints,
     prefix_counts,
@@ -46,8 +47,6 @@ from kvmesh.common.protocol.controller import CHUNK_INT_MASK
 
 _KEY_LEN = 49  # "<16 hex namespace>-<32 hex hash>"
 SNAPSHOT_VERSION = 1
-# Chunks per step of the stepwise walks: ~5-20 ms of parsing, packing or clearing.
-STEP = 8192
 
 
 def chunk_int(key: str) -> int:
@@ -221,9 +220,9 @@ class Registry:
 
     def _retire(self, slot: int, sets: list[set[int]]) -> None:
         self._retired.setdefault(slot, []).extend(sets)
-        self.sweep(STEP)
+        self.sweep(WALK_STEP)
 
-    def sweep(self, budget: int = STEP) -> bool:
+    def sweep(self, budget: int = WALK_STEP) -> bool:
         """Clear up to `budget` chunks' bits of retired slots; True when none is left
         (their slots are free again)."""
         holders = self.holders
@@ -284,7 +283,7 @@ class Registry:
             sink.events(entry, runs)
 
     def replace_steps(self, entry: WorkerEntry, tiers: dict[str, list[str]]) -> Iterator[None]:
-        """Make the worker's chunks exactly `tiers` (key strings), STEP keys per step.
+        """Make the worker's chunks exactly `tiers` (key strings), WALK_STEP keys per step.
 
         The new chunks go under a fresh slot, and the worker moves to it only when all
         are in, so a lookup meanwhile sees the old state; the old slot is retired. The
@@ -304,9 +303,9 @@ class Registry:
         try:
             for tier, keys in tiers.items():
                 bit, ints = tier_bit(slot, tier), new.setdefault(tier, set())
-                for start in range(0, len(keys), STEP):
+                for start in range(0, len(keys), WALK_STEP):
                     step: list[int] = []
-                    for key in keys[start : start + STEP]:
+                    for key in keys[start : start + WALK_STEP]:
                         # chunk_int, inlined: a call per key is a fifth of the step.
                         if len(key) != _KEY_LEN or key[16] != "-":
                             self.bad_keys += 1
@@ -401,7 +400,7 @@ class Registry:
 
     def pack_workers(self, out: list[PackedWorker]) -> Iterator[None]:
         """Append (worker, its last_seq, its packed chunk ints per tier) to `out` for
-        each worker present now, STEP chunks per step. A worker's chunks and last_seq
+        each worker present now, WALK_STEP chunks per step. A worker's chunks and last_seq
         are taken together (a copy of its sets: ~30 ms per million) and packed from
         that copy, so changes between steps do not tear it; a worker that leaves
         meanwhile is packed as it is when its turn comes (no chunks), which keeps the
@@ -412,8 +411,8 @@ class Registry:
             tiers: dict[str, bytes] = {}
             for tier, ints in taken.items():
                 parts = []
-                for start in range(0, len(ints), STEP):
-                    parts.append(pack_ints(ints[start : start + STEP]))
+                for start in range(0, len(ints), WALK_STEP):
+                    parts.append(pack_ints(ints[start : start + WALK_STEP]))
                     yield
                 tiers[tier] = b"".join(parts)
             out.append((e, last_seq, tiers))

@@ -18,11 +18,13 @@ only once swept.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvmesh.common.chunk_holders import (
     SLOT_MASK,
     TIER_BITS,
+    WALK_STEP,
     PrefixRow,
     prefix_counts,
     slot_bits,
@@ -81,12 +83,32 @@ class ChunkIndex:
             self._retire(w.slot)
 
     def replace(self, worker_id: str, tiers: dict[str, bytes]) -> None:
-        """The worker's chunks are exactly `tiers` now: a fresh slot, the old one retired."""
-        w = self._worker(worker_id)
-        self._retire(w.slot)
-        w.slot = self._take_slot(worker_id)
-        for tier, raw in tiers.items():
-            self.apply(w, proto.EventKind.ADMIT, tier, unpack_ints(raw))
+        """The worker's chunks are exactly `tiers` now (replace_steps in one go)."""
+        for _ in self.replace_steps(worker_id, tiers):
+            pass
+
+    def replace_steps(self, worker_id: str, tiers: dict[str, bytes]) -> Iterator[None]:
+        """The worker's chunks become exactly `tiers`, WALK_STEP chunks a step: they go
+        under a fresh slot and the worker moves to it when all are in (queries meanwhile
+        see its old state), the old slot retired. Closed midway, the fresh slot is
+        retired instead. UnknownWorker at once for a worker the index does not know."""
+        return self._replace(self._worker(worker_id), tiers)
+
+    def _replace(self, w: IndexedWorker, tiers: dict[str, bytes]) -> Iterator[None]:
+        slot = self._take_slot(w.info.worker_id)
+        holders, done = self.holders, False
+        try:
+            for tier, raw in tiers.items():
+                bit, ints = tier_bit(slot, tier), unpack_ints(raw)
+                for start in range(0, len(ints), WALK_STEP):
+                    for k in ints[start : start + WALK_STEP]:
+                        holders[k] = holders.get(k, 0) | bit
+                    yield
+            self._retire(w.slot)
+            w.slot, done = slot, True
+        finally:
+            if not done:
+                self._retire(slot)
 
     def _take_slot(self, worker_id: str) -> int:
         for i, owner in enumerate(self._slots):

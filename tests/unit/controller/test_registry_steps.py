@@ -1,6 +1,6 @@
 """The controller walks large states a step at a time (services/controller/registry.py):
 snapshots are packed, full states parsed and gone workers' chunks cleared in steps
-of STEP chunks, other work runs between steps, and what a step leaves half done is
+of WALK_STEP chunks, other work runs between steps, and what a step leaves half done is
 never seen: a snapshot does not tear a worker, a lookup sees a worker's old state until
 its new one is complete, and a state abandoned midway leaves no bit behind."""
 
@@ -10,8 +10,9 @@ import asyncio
 import itertools
 from pathlib import Path
 
+from kvmesh.common.chunk_holders import WALK_STEP as STEP
 from kvmesh.common.config import ControllerConfig
-from kvmesh.services.controller.registry import STEP, Registry, WorkerEntry, chunk_int
+from kvmesh.services.controller.registry import Registry, WorkerEntry, chunk_int
 from kvmesh.services.controller.server import ControllerServer
 
 NS = "0123456789abcdef"

@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from kvmesh.common.chunk_holders import WALK_STEP
 from kvmesh.common.observability import Metrics
 from kvmesh.common.protocol import controller as proto
 from kvmesh.services.controller.index_feed import IndexFeed
@@ -307,3 +308,39 @@ def test_a_snapshot_packed_while_the_registry_changes_then_its_held_pushes_is_th
             bit = iw.bit(tier)
             have = {k for k, m in index.holders.items() if m & bit}
             assert have == entry.tiers.get(tier, set()), (wid, tier)
+
+
+def test_a_large_replaced_state_is_applied_in_steps_and_later_pushes_after_it() -> None:
+    w = Wired()
+    e = w.reg.register("a", 0, 1, [NS[0]], "", 1.0, None)
+    w.reg.apply(e, [(1, key(NS[0], i), "l1") for i in range(3)])
+    w.deliver()
+    big = [key(NS[0], i) for i in range(100, 100 + 5 * WALK_STEP)]
+    replace_state(w.reg, e, {"l1": big, "disk": big[:10]})
+    w.reg.apply(e, [(2, big[0], "l1"), (1, key(NS[0], 0), "disk")])
+    replaced, later = w.pushes
+    assert isinstance(replaced, proto.WorkerReplaced) and isinstance(later, proto.IndexEvents)
+    w.pushes.clear()
+    f = w.follower
+    old_hashes, new_hashes = [h(i) for i in range(3)], [h(i) for i in range(101, 110)]
+
+    async def run() -> list[tuple]:
+        seen = []  # what a query answers at each turn while the state goes in
+        f._take(replaced)
+        f._take(later)
+        while f._replacing is not None:
+            seen.append((f.index.prefix_counts(old_hashes), f.index.prefix_counts(new_hashes)))
+            await asyncio.sleep(0)
+        return seen
+
+    seen = asyncio.run(run())
+    assert len(seen) >= 5  # a turn per step at least: other requests ran between
+    # Until it was all in, queries saw the old state; then the new one, and the events
+    # that followed it.
+    assert all(old[0][3] == 3 and new[0][3] == 0 for old, new in seen)
+    assert not f._resync.is_set(), f._resync_reason
+    assert f.seq == later.seq
+    w.same(old_hashes)
+    w.same(new_hashes)
+    w.same([h(0)])
+    assert f.index.prefix_counts([h(100)]) == [("a", 1, 1, 1, 0)]  # out of l1 after it
