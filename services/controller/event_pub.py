@@ -16,10 +16,11 @@ import asyncio
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import zmq
 
+from kvmesh.common.chunk_holders import WALK_STEP
 from kvmesh.common.observability import Metrics, get_logger
 from kvmesh.common.protocol import kv_events as kv
 from kvmesh.common.transport.router_loop import bind_tcp
@@ -153,17 +154,22 @@ class EventPublisher:
             self._worker_topics.setdefault(entry.worker_id, set()).add(ns)
         self._drain()
 
-    def state(self, entry: WorkerEntry, tiers: dict[str, list[str]]) -> None:
+    def state(self, entry: WorkerEntry, tiers: dict[str, list[str]]) -> Iterator[None]:
         """A worker's full state replaced its chunks: per namespace it has (or had
-        events in), its chunks there now."""
+        events in), its chunks there now. Built WALK_STEP keys a step (a million take
+        ~1 s), published after the last: the caller runs the steps to the end, and
+        publishes nothing else of this worker's meanwhile."""
         if not self.topics:
             self._missed = True
             return
         groups: dict[str, list[kv.KVEvent]] = {}
+        match = _KEY.fullmatch
         for tier, keys in tiers.items():
-            for key in keys:
-                if _KEY.fullmatch(key):
-                    groups.setdefault(key[:16], []).append(kv.KVEvent("stored", key, tier))
+            for start in range(0, len(keys), WALK_STEP):
+                for key in keys[start : start + WALK_STEP]:
+                    if match(key):
+                        groups.setdefault(key[:16], []).append(kv.KVEvent("stored", key, tier))
+                yield
         topics = self._topics_of(entry) | groups.keys()
         self._worker_topics[entry.worker_id] = set(topics)
         self._begin()

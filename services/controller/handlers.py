@@ -208,20 +208,31 @@ class Handlers:
         self, peer: bytes, entry: WorkerEntry, msg: proto.FullState, steps: Iterator[None]
     ) -> Any:
         gen = entry.state_gen
+
+        def current() -> bool:  # not superseded by a later full state, not gone
+            return entry.state_gen == gen and self.registry.workers.get(entry.worker_id) is entry
+
         try:
             for _ in steps:
                 await asyncio.sleep(0)
         finally:
             steps.close()
-        if entry.state_gen != gen or self.registry.workers.get(entry.worker_id) is not entry:
+        if current() and self.events_pub is not None:
+            published = self.events_pub.state(entry, msg.tiers)
+            try:
+                for _ in published:
+                    await asyncio.sleep(0)
+                    if not current():
+                        break  # its last step would publish a state now void
+            finally:
+                published.close()
+        if not current():
             # Superseded by a later full state (which holds the batches now), or gone.
             return proto.error_reply(
                 msg.rid, ErrorCode.NOT_REGISTERED, "full state superseded or worker gone"
             )
         held, overflow = entry.held or [], entry.held_overflow
         entry.held, entry.held_overflow = None, False
-        if self.events_pub is not None:
-            self.events_pub.state(entry, msg.tiers)
         entry.last_seq, entry.resync_sent = msg.seq, 0.0
         for batch in held:
             self.events(peer, batch)

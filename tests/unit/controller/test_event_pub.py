@@ -52,7 +52,7 @@ def test_state_and_left_reach_every_namespace_of_the_worker() -> None:
     pub, entry = publisher()
     pub.topics.add(NS_A.encode())
     pub.events(entry, [(1, key(NS_B, 1), "l1")])  # a tenant's namespace, not registered
-    pub.state(entry, {"l1": [key(NS_A, 7)]})
+    assert len(list(pub.state(entry, {"l1": [key(NS_A, 7)]}))) == 1  # one step
     pub.left(entry, "dropped")
     msgs = kept(pub)
     kinds = [(t, type(p).__name__) for _, t, p in msgs]

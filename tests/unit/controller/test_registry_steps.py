@@ -12,6 +12,10 @@ from pathlib import Path
 
 from kvmesh.common.chunk_holders import WALK_STEP as STEP
 from kvmesh.common.config import ControllerConfig
+from kvmesh.common.observability import Metrics
+from kvmesh.common.protocol import controller as proto
+from kvmesh.common.protocol import kv_events as kv
+from kvmesh.services.controller.event_pub import EventPublisher
 from kvmesh.services.controller.registry import Registry, WorkerEntry, chunk_int
 from kvmesh.services.controller.server import ControllerServer
 
@@ -127,3 +131,62 @@ def test_a_full_state_abandoned_midway_leaves_nothing_behind() -> None:
     while not reg.sweep():
         pass
     assert reg.holders == {} and b.tiers == {}
+
+
+def full_state_server() -> tuple[ControllerServer, EventPublisher, WorkerEntry]:
+    server = ControllerServer(ControllerConfig())
+    pub = EventPublisher(Metrics(), replay_size=10 * STEP)
+    pub.topics.add(b"")  # a subscriber to the external KV-event feed
+    server.handlers.events_pub = pub
+    entry = server.registry.register("I", 0, 1, [NS], "tcp://h:1", 1.0, b"w")
+    return server, pub, entry
+
+
+def published(pub: EventPublisher) -> list[tuple[str, int]]:
+    assert pub.ring is not None
+    out = []
+    for k in pub.ring.since(0):
+        p = kv.decode_payload(k.payload)
+        out.append((type(p).__name__, len(getattr(p, "events", []))))
+    return out
+
+
+def test_a_full_state_is_published_in_steps_before_the_batches_held_behind_it() -> None:
+    server, pub, entry = full_state_server()
+    h, ks = server.handlers, keys(0, 3 * STEP)
+    begun = h.full_state(b"w", proto.FullState(1, "I/0", 0, {"l1": ks}))
+    assert h.events(b"w", proto.KVEventBatch(0, "I/0", 1, [(2, ks[0], "l1")])) is None
+
+    async def run() -> tuple[object, int]:
+        task, turns = asyncio.ensure_future(begun), 0
+        while not task.done():
+            turns += 1
+            await asyncio.sleep(0)
+        return await task, turns
+
+    reply, turns = asyncio.run(run())
+    assert isinstance(reply, proto.FullStateReply) and reply.chunks == 3 * STEP - 1
+    assert turns >= 6  # 3 steps to parse, 3 to build the feed's message
+    assert published(pub) == [("WorkerState", 3 * STEP), ("EventBatch", 1)]
+    assert entry.last_seq == 1 and entry.held is None
+
+
+def test_a_worker_gone_while_its_state_is_published_gets_no_state_after_it_left() -> None:
+    server, pub, entry = full_state_server()
+    h, ks = server.handlers, keys(0, 3 * STEP)
+    begun = h.full_state(b"w", proto.FullState(1, "I/0", 0, {"l1": ks}))
+
+    async def run() -> object:
+        task = asyncio.ensure_future(begun)
+        while True:  # until the state is in
+            if len(entry.tiers.get("l1", ())) == 3 * STEP:
+                break
+            await asyncio.sleep(0)
+        await asyncio.sleep(0)  # and a step of the feed's message is built
+        assert not task.done()
+        h.deregister(b"w", proto.Deregister(2, "I/0"))
+        return await task
+
+    reply = asyncio.run(run())
+    assert isinstance(reply, proto.ErrorReply) and "gone" in reply.message
+    assert published(pub) == [("WorkerLeft", 0)]
