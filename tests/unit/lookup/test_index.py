@@ -43,6 +43,20 @@ def subscribe(feed: IndexFeed, peer: bytes, rid: int, sent: list) -> object:
     return reply
 
 
+def following(snap: proto.IndexSnapshotReply, index: ChunkIndex) -> IndexFollower:
+    """A follower (no socket) at the snapshot, with `index` as built from it."""
+    f = IndexFollower(
+        "tcp://127.0.0.1:1",
+        Metrics(),
+        ping_s=0.1,
+        max_staleness_s=1.0,
+        request_timeout_s=0.5,
+        snapshot_timeout_s=1.0,
+    )
+    f.epoch, f.seq, f.index, f._following = snap.epoch, snap.seq, index, True
+    return f
+
+
 def replace_state(reg: Registry, entry, tiers: dict[str, list[str]]) -> None:
     for _ in reg.replace_steps(entry, tiers):
         pass
@@ -62,16 +76,7 @@ class Wired:
             timeout_s=10.0,
         )
         snap = subscribe(self.feed, b"peer", 1, self.pushes)
-        self.follower = IndexFollower(
-            "tcp://127.0.0.1:1",
-            Metrics(),
-            ping_s=0.1,
-            max_staleness_s=1.0,
-            request_timeout_s=0.5,
-            snapshot_timeout_s=1.0,
-        )
-        f = self.follower
-        f.epoch, f.seq, f.index, f._following = snap.epoch, snap.seq, ChunkIndex(), True
+        self.follower = following(snap, ChunkIndex())
 
     def deliver(self) -> None:
         for msg in self.pushes:
@@ -288,15 +293,8 @@ def test_a_snapshot_packed_while_the_registry_changes_then_its_held_pushes_is_th
     for _ in range(50):  # and after it, as any subscriber
         change()
     pushes = sent[1:]
-    f = IndexFollower(
-        "tcp://127.0.0.1:1",
-        Metrics(),
-        ping_s=0.1,
-        max_staleness_s=1.0,
-        request_timeout_s=0.5,
-        snapshot_timeout_s=1.0,
-    )
-    f.epoch, f.seq, f.index, f._following = snap.epoch, snap.seq, asyncio.run(f._build(snap)), True
+    f = following(snap, ChunkIndex())
+    f.index = asyncio.run(f._build(snap))
     for push in pushes:
         f._apply(push)
     assert not f._resync.is_set(), f._resync_reason
