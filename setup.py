@@ -8,8 +8,8 @@ The C helpers are optional: without a C compiler (or libxxhash) the build goes o
 without them and the Python paths serve. `kvmesh.gpu_ext._block_copy`
 (gpu_ext/csrc/block_copy.c) moves whole KV blocks for the CPU copier;
 `kvmesh.common._chain_hash` (common/csrc/chain_hash.c) computes the token database's
-chained hashes; `kvmesh.common._chunk_ints` (common/csrc/chunk_ints.c) packs chunk ints
-for snapshots and the wire.
+chained hashes; `kvmesh.common._chunk_ints` (common/csrc/chunk_ints.c) folds chunk keys to
+chunk ints and packs them for snapshots and the wire.
 """
 
 from setuptools import Extension, find_packages, setup

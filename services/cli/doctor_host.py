@@ -75,9 +75,9 @@ def check_native() -> list[Check]:
         ("block copier", native_copy.available(), "CPU KV copies use torch (~2x slower)"),
         ("token hasher", tokendb.native_chain_available(), "keys hashed in Python (2-5x slower)"),
         (
-            "chunk-int packer",
+            "chunk-int helper",
             chunk_holders.native_packer_available(),
-            "controller snapshots packed in Python (~3x slower)",
+            "the controller's keys and snapshots handled in Python (1.5-3x slower)",
         ),
     ]
     return [

@@ -77,3 +77,57 @@ def test_int_subclasses_bools_and_other_iterables() -> None:
     assert pack_ints(iter([3, 4])) == by_array([3, 4])
     assert pack_ints({9: "x"}.keys()) == by_array([9])
     assert pack_ints(range(3)) == by_array([0, 1, 2])
+
+
+# -- chunk key strings folded to chunk ints ------------------------------------------------
+NS = "0123456789abcdef"
+
+
+def by_int_parse(key: str) -> int:
+    """The fold by its definition: low 64 bits of the hash ^ namespace, 60 bits kept."""
+    return ((int(key[17:], 16) & (2**64 - 1)) ^ int(key[:16], 16)) & (2**60 - 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 2**64 - 1), st.integers(0, 2**128 - 1))
+def test_the_c_fold_and_the_python_fold_agree_with_the_definition(ns: int, h: int) -> None:
+    key = f"{ns:016x}-{h:032x}"
+    want = by_int_parse(key)
+    assert chunk_holders.chunk_int(key) == chunk_holders.chunk_int_py(key) == want
+    assert chunk_holders.chunk_ints([key, key]) == chunk_holders.chunk_ints_py([key, key])
+
+
+GOOD = f"{NS}-{'0f' * 16}"
+NOT_KEYS = [
+    GOOD.upper(),  # only the canonical lower case
+    GOOD[:-1],
+    GOOD + "0",
+    GOOD.replace("-", "0"),
+    "g" + GOOD[1:],  # a bad digit in the namespace,
+    GOOD[:20] + "x" + GOOD[21:],  # in the hash's high half (int() of the low half
+    GOOD[:-1] + "g",  # alone would never see it), in its low half
+    GOOD[:40] + "_" + GOOD[41:],  # int() would take these three
+    GOOD[:33] + " " + GOOD[34:],
+    GOOD[:33] + "+" + GOOD[34:],
+    GOOD[:-1] + "é",  # one byte a character, not ASCII
+    GOOD[:-1] + "€",
+    GOOD.encode(),
+    None,
+    123,
+]
+
+
+@pytest.mark.parametrize("fold", [chunk_holders.chunk_int, chunk_holders.chunk_int_py])
+@pytest.mark.parametrize("bad", NOT_KEYS, ids=range(len(NOT_KEYS)))
+def test_what_is_not_a_chunk_key_string_is_refused_by_both(fold, bad) -> None:
+    with pytest.raises(ValueError, match="not a chunk key"):
+        fold(bad)
+
+
+@pytest.mark.parametrize("fold", [chunk_holders.chunk_ints, chunk_holders.chunk_ints_py])
+def test_a_list_folds_its_keys_and_counts_the_rest(fold) -> None:
+    keys = [f"{NS}-{i:032x}" for i in range(1000)]
+    mixed = [*keys[:500], *NOT_KEYS, *keys[500:]]
+    ints, bad = fold(mixed)
+    assert ints == [by_int_parse(k) for k in keys] and bad == len(NOT_KEYS)
+    assert fold([]) == ([], 0)
