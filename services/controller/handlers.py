@@ -213,19 +213,25 @@ class Handlers:
             return entry.state_gen == gen and self.registry.workers.get(entry.worker_id) is entry
 
         try:
-            for _ in steps:
-                await asyncio.sleep(0)
-        finally:
-            steps.close()
-        if current() and self.events_pub is not None:
-            published = self.events_pub.state(entry, msg.tiers)
             try:
-                for _ in published:
+                for _ in steps:
                     await asyncio.sleep(0)
-                    if not current():
-                        break  # its last step would publish a state now void
             finally:
-                published.close()
+                steps.close()
+            if current() and self.events_pub is not None:
+                published = self.events_pub.state(entry, msg.tiers)
+                try:
+                    for _ in published:
+                        await asyncio.sleep(0)
+                        if not current():
+                            break  # its last step would publish a state now void
+                finally:
+                    published.close()
+        except BaseException:
+            if current():  # stopped, or a bug: no batch may wait for it forever
+                entry.held, entry.held_overflow = None, False
+                self._resync(entry, "full state not applied")
+            raise
         if not current():
             # Superseded by a later full state (which holds the batches now), or gone.
             return proto.error_reply(

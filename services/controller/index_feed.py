@@ -88,6 +88,7 @@ class IndexFeed:
             if self._waiting.get(peer) is queue:
                 del self._waiting[peer]
                 self.subscribers.pop(peer, None)
+                self._stats.index_subscribers.set(len(self.subscribers))
             raise
         if self._waiting.get(peer) is not queue:
             return None  # a later subscribe of this peer took over

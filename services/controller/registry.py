@@ -117,7 +117,7 @@ class Snapshot(msgspec.Struct, array_like=True):
 
 
 # (worker, its last_seq when taken, tier → packed chunk ints): Registry.pack_workers
-PackedWorker = tuple["WorkerEntry", int, dict[str, bytes]]
+PackedWorker = tuple[WorkerEntry, int, dict[str, bytes]]
 
 
 def _snap_worker(e: WorkerEntry, last_seq: int, tiers: dict[str, bytes]) -> _SnapWorker:

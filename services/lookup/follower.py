@@ -120,6 +120,7 @@ class IndexFollower:
         self._buffer: list[Any] | None = None  # pushes that arrive while building
         # Pushes that arrive while a large WorkerReplaced is applied in steps, and its task.
         self._held: list[Any] | None = None
+        self._held_to = 0  # the seq of the last push held (or of the replacement)
         self._replacing: asyncio.Task | None = None
         self._resync = asyncio.Event()
         self._resync_reason = ""
@@ -314,6 +315,11 @@ class IndexFollower:
             return
         if tick.epoch != self.epoch:
             self._trigger("restart", f"epoch {tick.epoch}")
+        elif self._held is not None:
+            # A replacement is going in: nothing is confirmed until it is; a tick past
+            # the last push received still shows one lost.
+            if tick.seq > self._held_to:
+                self._trigger("gap", f"tick at {tick.seq}, pushes received to {self._held_to}")
         elif tick.seq > self.seq:
             self._trigger("gap", f"tick at {tick.seq}, index at {self.seq}")
         elif tick.seq == self.seq:
@@ -326,10 +332,11 @@ class IndexFollower:
         large WorkerReplaced (a million chunks take ~0.3 s) is applied in steps."""
         if self._held is not None:
             self._held.append(push)
+            self._held_to = max(self._held_to, push.seq)
         elif isinstance(push, proto.WorkerReplaced) and (
             sum(len(raw) for raw in push.tiers.values()) > 8 * WALK_STEP
         ):
-            self._held = []
+            self._held, self._held_to = [], push.seq
             self._replacing = asyncio.get_running_loop().create_task(self._replace(push))
         else:
             self._apply(push)

@@ -7,6 +7,7 @@ its new one is complete, and a state abandoned midway leaves no bit behind."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from pathlib import Path
 
@@ -190,3 +191,28 @@ def test_a_worker_gone_while_its_state_is_published_gets_no_state_after_it_left(
     reply = asyncio.run(run())
     assert isinstance(reply, proto.ErrorReply) and "gone" in reply.message
     assert published(pub) == [("WorkerLeft", 0)]
+
+
+def test_a_full_state_stopped_midway_holds_no_batch_and_asks_for_another() -> None:
+    server, _, entry = full_state_server()
+    h, ks = server.handlers, keys(0, 3 * STEP)
+    pushed: list = []
+    h.push = lambda peer, msg: pushed.append(msg) or True  # type: ignore[method-assign]
+    begun = h.full_state(b"w", proto.FullState(1, "I/0", 0, {"l1": ks}))
+    h.events(b"w", proto.KVEventBatch(0, "I/0", 1, [(2, ks[0], "l1")]))
+
+    async def run() -> None:
+        task = asyncio.ensure_future(begun)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        task.cancel()  # the controller stopping, say
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run())
+    assert entry.held is None  # later batches are applied (or resynced) again
+    assert [type(m).__name__ for m in pushed] == ["Resync"]
+    assert entry.tiers == {}  # the old state, empty, stays
+    while not server.registry.sweep():
+        pass
+    assert server.registry.holders == {}  # the partial state is gone

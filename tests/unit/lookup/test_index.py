@@ -326,6 +326,10 @@ def test_a_large_replaced_state_is_applied_in_steps_and_later_pushes_after_it() 
         seen = []  # what a query answers at each turn while the state goes in
         f._take(replaced)
         f._take(later)
+        # A tick behind every push received confirms nothing and loses nothing.
+        f._pinged[1] = 1.0
+        f._on_tick(proto.IndexTick(1, f.epoch, later.seq))
+        assert not f._resync.is_set() and f._confirmed < 1.0
         while f._replacing is not None:
             seen.append((f.index.prefix_counts(old_hashes), f.index.prefix_counts(new_hashes)))
             await asyncio.sleep(0)
@@ -333,6 +337,9 @@ def test_a_large_replaced_state_is_applied_in_steps_and_later_pushes_after_it() 
 
     seen = asyncio.run(run())
     assert len(seen) >= 5  # a turn per step at least: other requests ran between
+    f._pinged[2] = 2.0
+    f._on_tick(proto.IndexTick(2, f.epoch, later.seq))
+    assert f._confirmed == 2.0  # all in: confirmed
     # Until it was all in, queries saw the old state; then the new one, and the events
     # that followed it.
     assert all(old[0][3] == 3 and new[0][3] == 0 for old, new in seen)
@@ -342,3 +349,20 @@ def test_a_large_replaced_state_is_applied_in_steps_and_later_pushes_after_it() 
     w.same(new_hashes)
     w.same([h(0)])
     assert f.index.prefix_counts([h(100)]) == [("a", 1, 1, 1, 0)]  # out of l1 after it
+
+
+def test_a_tick_past_the_pushes_received_during_a_replacement_is_a_gap() -> None:
+    w = Wired()
+    e = w.reg.register("a", 0, 1, [NS[0]], "", 1.0, None)
+    w.deliver()
+    replace_state(w.reg, e, {"l1": [key(NS[0], i) for i in range(2 * WALK_STEP)]})
+    (replaced,) = w.pushes
+    f = w.follower
+
+    async def run() -> None:
+        f._take(replaced)
+        f._pinged[1] = 1.0
+        f._on_tick(proto.IndexTick(1, f.epoch, replaced.seq + 1))  # one never received
+
+    asyncio.run(run())
+    assert f._resync.is_set() and f._resync_reason.startswith("gap")
