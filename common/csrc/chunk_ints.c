@@ -229,7 +229,8 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_chunk_ints", "Chunk ints packed for the wire.", -1, methods,
+    PyModuleDef_HEAD_INIT, "_chunk_ints", "Chunk ints folded from keys, packed for the wire.", -1,
+    methods,
 };
 
 PyMODINIT_FUNC PyInit__chunk_ints(void)
