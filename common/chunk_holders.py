@@ -10,11 +10,12 @@ the lookup-server answers from pushes of the registry's ints: hence one module.
 
 from __future__ import annotations
 
-import re
+import contextlib
 import sys
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from kvmesh.common.keys import KEY_STRING
 from kvmesh.common.protocol.controller import CHUNK_INT_MASK
 
 try:  # the C packer (common/csrc/chunk_ints.c), built with the package when it can be
@@ -50,15 +51,12 @@ def slot_bits(slot: int) -> int:
     return SLOT_MASK << (slot * TIER_BITS)
 
 
-_KEY = re.compile(r"[0-9a-f]{16}-[0-9a-f]{32}\Z")
-
-
 def chunk_int_py(key: str) -> int:
     """The chunk int of a chunk key string ("<16 hex ns>-<32 hex hash>", lower case, as
     ChunkKey.to_str writes it): the low 64 bits of the hash XOR the namespace, masked
     to 60 bits; ValueError when it is not one. `chunk_int` is the C build of it when
     there is one (~60 ns a key against ~0.6 µs)."""
-    if not isinstance(key, str) or _KEY.match(key) is None:
+    if not isinstance(key, str) or KEY_STRING.fullmatch(key) is None:
         raise ValueError(f"not a chunk key: {key!r:.60}")
     return (int(key[33:], 16) ^ int(key[:16], 16)) & CHUNK_INT_MASK
 
@@ -68,8 +66,8 @@ def chunk_ints_py(keys: list[str]) -> tuple[list[int], int]:
     `chunk_ints` is the C build of it when there is one."""
     ints = []
     for key in keys:
-        if isinstance(key, str) and _KEY.match(key) is not None:
-            ints.append((int(key[33:], 16) ^ int(key[:16], 16)) & CHUNK_INT_MASK)
+        with contextlib.suppress(ValueError):
+            ints.append(chunk_int_py(key))
     return ints, len(keys) - len(ints)
 
 

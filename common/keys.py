@@ -32,7 +32,9 @@ CHUNK_HASH_LEN = 16
 _NS_ENCODING_TAG = b"kvmesh-namespace\x00v1\x00"
 _NS_PERSON = b"kvmesh-ns-v1"  # blake2b personalisation: no other use of blake2b collides
 
-_KEY_RE = re.compile(r"[0-9a-f]{16}-[0-9a-f]{32}")
+# A ChunkKey.to_str(): its one spelling (fullmatch). The controller and its feeds
+# check key strings from the wire against it too.
+KEY_STRING = re.compile(r"[0-9a-f]{16}-[0-9a-f]{32}")
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 
@@ -60,7 +62,7 @@ class ChunkKey(msgspec.Struct, frozen=True, array_like=True, gc=False, order=Tru
         Only the canonical lower-case form is accepted, so one key has exactly one
         string and one file name.
         """
-        if not isinstance(s, str) or _KEY_RE.fullmatch(s) is None:
+        if not isinstance(s, str) or KEY_STRING.fullmatch(s) is None:
             raise ValueError(f"malformed chunk key string: {s!r}")
         return cls(s[:NS_ID_HEX_LEN], bytes.fromhex(s[NS_ID_HEX_LEN + 1 :]))
 

@@ -13,7 +13,6 @@ stream with a hole nobody can fill.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -21,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 import zmq
 
 from kvmesh.common.chunk_holders import WALK_STEP
+from kvmesh.common.keys import KEY_STRING
 from kvmesh.common.observability import Metrics, get_logger
 from kvmesh.common.protocol import kv_events as kv
 from kvmesh.common.transport.router_loop import bind_tcp
@@ -36,7 +36,6 @@ SNDHWM = 100_000
 # may swallow the FD's edge); this timer catches one that arrives while nothing is
 # published.
 POLL_S = 0.25
-_KEY = re.compile(r"[0-9a-f]{16}-[0-9a-f]{32}")
 _OPS: dict[int, kv.Op] = {1: "stored", 2: "removed"}
 
 Events = Iterable[tuple[int, str, str]]
@@ -132,7 +131,7 @@ class EventPublisher:
             self._missed = True
             return
         groups: dict[str, list[kv.KVEvent]] = {}
-        match, ops = _KEY.fullmatch, _OPS
+        match, ops = KEY_STRING.fullmatch, _OPS
         for kind, key, tier in events:
             if not match(key):
                 continue  # the registry skipped it too
@@ -163,7 +162,7 @@ class EventPublisher:
             self._missed = True
             return
         groups: dict[str, list[kv.KVEvent]] = {}
-        match = _KEY.fullmatch
+        match = KEY_STRING.fullmatch
         for tier, keys in tiers.items():
             for start in range(0, len(keys), WALK_STEP):
                 for key in keys[start : start + WALK_STEP]:

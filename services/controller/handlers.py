@@ -29,7 +29,7 @@ MAX_COMPRESS_S = 3600.0
 # A worker registers one namespace per model/layout it serves: a handful.
 MAX_NAMESPACES = 64
 MAX_HEARTBEAT_S = 86_400.0
-# Event batches held back while a worker's full state is applied (~2 s a million
+# Event batches held back while a worker's full state is applied (~1 s a million
 # keys); beyond this many the rest are dropped and the worker resyncs once it is in.
 MAX_HELD_BATCHES = 4096
 _HEX = frozenset("0123456789abcdef")

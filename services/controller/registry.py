@@ -12,12 +12,12 @@ running AND over the keys. Each worker also keeps one set per tier of its chunk 
 (the same int objects), so dropping a worker costs O(its chunks), not O(all).
 
 Nothing here walks a worker's chunks in one go on the caller's event loop: a million
-chunks cost 0.1-0.4 s to pack and ~4 s to parse from key strings, long enough to miss
-other workers' heartbeats. A worker that leaves or is replaced gives up its slot,
-whose bits `sweep` clears a step at a time before the slot is given out again (lookups
-only read the slots of workers present); a full state is parsed under a fresh slot a
-step at a time (`replace_steps`) and takes effect at once when complete; snapshots are
-packed a step at a time (`pack_workers`).
+chunks cost 0.1-0.4 s to pack and ~1 s to parse from key strings (3 s before the C
+fold and the steps), long enough to miss other workers' heartbeats. A worker that
+leaves or is replaced gives up its slot, whose bits `sweep` clears a step at a time
+before the slot is given out again (lookups only read the slots of workers present);
+a full state is parsed under a fresh slot a step at a time (`replace_steps`) and takes
+effect at once when complete; snapshots are packed a step at a time (`pack_workers`).
 
 Every change is also told to `sink` when one is set (index_feed.py, which pushes them
 to the lookup-servers' copies): a worker (re)registered or gone, a worker's state

@@ -224,10 +224,7 @@ class ControllerServer:
             self.push(peer, proto.error_reply(msg.rid, ErrorCode.SHUTTING_DOWN, "busy, retry"))
             return
         handle = self.handlers.async_table[type(msg)]
-        self.router.spawn(peer, msg, self._handle_async, handle, peer, msg)
-
-    async def _handle_async(self, handler: Any, peer: bytes, msg: Any) -> Answer:
-        return await handler(peer, msg), ()
+        self.router.spawn(peer, msg, self._finish, handle(peer, msg))
 
     async def _finish(self, rest: Coroutine[Any, Any, Any]) -> Answer:
         return await rest, ()

@@ -334,7 +334,7 @@ class IndexFollower:
             self._held.append(push)
             self._held_to = max(self._held_to, push.seq)
         elif isinstance(push, proto.WorkerReplaced) and (
-            sum(len(raw) for raw in push.tiers.values()) > 8 * WALK_STEP
+            sum(len(raw) for raw in push.tiers.values()) // 8 > WALK_STEP  # 8 bytes a chunk
         ):
             self._held, self._held_to = [], push.seq
             self._replacing = asyncio.get_running_loop().create_task(self._replace(push))
