@@ -6,20 +6,17 @@ Works between any two hosts that can open a TCP connection; costs a copy on each
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from kvmesh.common import offload
 from kvmesh.common.memory import MemoryObj
 from kvmesh.common.protocol import p2p as proto
 from kvmesh.common.transport.channel import AllocFn, Landed, LandedFn, Piece
 from kvmesh.common.transport.chunk_regions import layer_regions
 from kvmesh.common.transport.peer_conn import PeerConnections, PeerError
-
-# Below this many bytes a read's landing copies run on the loop (a thread hop costs more).
-COPY_ON_LOOP_BELOW = 1 << 20
 
 
 def _copy_frames(landed: list[Landed], frames: list[memoryview]) -> None:
@@ -76,18 +73,15 @@ class ZmqChannel:
         except Exception:
             _release(landed)
             raise
-        if sum(meta.nbytes for meta, _ in landed) < COPY_ON_LOOP_BELOW:
+        if sum(meta.nbytes for meta, _ in landed) < offload.OFFLOAD_FROM:
             _copy_frames(landed, frames)
             return landed
-        # Copying a batch of large chunks takes milliseconds per chunk: on a thread,
-        # so the loop serves everything else meanwhile.
-        copying = asyncio.ensure_future(asyncio.to_thread(_copy_frames, landed, frames))
         try:
-            await asyncio.shield(copying)
-        except asyncio.CancelledError:
-            # The thread may still be writing into the buffers: free them after it.
-            copying.add_done_callback(lambda _: _release(landed))
-            raise
+            # Abandoned by a cancel, the thread may still be writing into the buffers:
+            # they are freed after it.
+            await offload.offload(
+                _copy_frames, landed, frames, abandoned=lambda _: _release(landed)
+            )
         except Exception:
             _release(landed)
             raise
@@ -109,10 +103,10 @@ class ZmqChannel:
     ) -> None:
         spans = [(obj, layer_regions(obj, layer)) for _, obj, _ in pieces]
         gathered = sum(n for _, regions in spans if len(regions) > 1 for _, n in regions)
-        if gathered < COPY_ON_LOOP_BELOW:
+        if gathered < offload.OFFLOAD_FROM:
             frames = _frames(spans)
         else:  # megabytes of K and V regions put side by side: on a thread
-            frames = await asyncio.to_thread(_frames, spans)
+            frames = await offload.offload(_frames, spans)
         conn = self._conns.get(endpoint)
         msg = proto.PushChunks(
             conn.next_rid(), proto.PROTOCOL_VERSION, alloc_id, layer, [i for i, _, _ in pieces]

@@ -15,12 +15,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from kvmesh.common import offload
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import cacheserver as proto
 from kvmesh.common.protocol.cacheserver import ErrorCode
 from kvmesh.services.cacheserver.stats import ServerStats
 from kvmesh.services.cacheserver.store import (
-    HASH_OFF_LOOP_FROM,
     Entry,
     MemoryStore,
     StoreError,
@@ -117,7 +117,7 @@ class Handlers:
         if isinstance(msg, proto.GetValues):
             return any(self.store.needs_disk(k) for k in msg.keys)
         if isinstance(msg, proto.PutValue | proto.PutValues):
-            return sum(value_view(v).nbytes for v in values) >= HASH_OFF_LOOP_FROM
+            return sum(value_view(v).nbytes for v in values) >= offload.OFFLOAD_FROM
         return False
 
     # -- storing ------------------------------------------------------------------------

@@ -21,12 +21,12 @@ import asyncio
 import contextlib
 import socket
 
+from kvmesh.common import offload
 from kvmesh.common.config import CacheServerConfig
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import lmcache_lm as lm
 from kvmesh.services.cacheserver.stats import ServerStats
 from kvmesh.services.cacheserver.store import (
-    HASH_OFF_LOOP_FROM,
     INTERNAL_PREFIX,
     MemoryStore,
     StoreError,
@@ -151,7 +151,7 @@ class LmListener:
         async with asyncio.timeout(self.config.request_timeout_s):
             payload = await reader.readexactly(req.length)
         try:
-            big = len(payload) >= HASH_OFF_LOOP_FROM
+            big = len(payload) >= offload.OFFLOAD_FROM
             actual = (await checksums_off_loop([payload]))[0] if big else None
             entry = make_entry(payload, lm.meta_of(req), actual=actual)
             self.store.put(key, entry)

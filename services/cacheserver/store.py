@@ -15,7 +15,6 @@ All methods run on the server's event loop thread: no locks.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections import OrderedDict
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from typing import Any
 
 import xxhash
 
+from kvmesh.common import offload
 from kvmesh.common.protocol.cacheserver import ErrorCode
 from kvmesh.common.recent_keys import RecentKeys
 
@@ -60,10 +60,6 @@ def checksum_of(view: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(view)
 
 
-# Values of this many bytes or more are checksummed on a thread (`checksums_off_loop`).
-HASH_OFF_LOOP_FROM = 1 << 20
-
-
 def value_view(value: Any) -> memoryview:
     """The bytes of a value (bytes-like or zmq.Frame) as a flat byte view, no copy."""
     view = value.buffer if hasattr(value, "buffer") else memoryview(value)
@@ -74,7 +70,7 @@ async def checksums_off_loop(values: list[Any]) -> list[int]:
     """The checksum of each value, computed on a thread: hashing large values on the
     event loop (~3 ms per 32 MiB here) would hold up every other request meanwhile.
     The xxhash module lets go of the GIL on large inputs."""
-    return await asyncio.to_thread(lambda: [checksum_of(value_view(v)) for v in values])
+    return await offload.offload(lambda: [checksum_of(value_view(v)) for v in values])
 
 
 def make_entry(

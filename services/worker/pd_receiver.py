@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvmesh.common import offload
 from kvmesh.common.chunk_codec import chunk_checksums, dtype_name
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import MemoryFormat, MemoryObj, MemoryObjFreedError
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import p2p as proto
-from kvmesh.common.transport import channel_zmq
 from kvmesh.common.transport.chunk_regions import layer_regions, token_axis
 from kvmesh.services.worker.events import KVEventKind
 from kvmesh.services.worker.pins import LookupPins
@@ -202,7 +202,7 @@ class PdReceiver:
                     f"{sum(n for _, n in regions)}",
                 )
             copies.append(_Copy(obj, obj.raw.numpy(), regions, frame))
-        if sum(len(c.frame) for c in copies) < channel_zmq.COPY_ON_LOOP_BELOW:
+        if sum(len(c.frame) for c in copies) < offload.OFFLOAD_FROM:
             _write_regions(copies)
         else:
             await _write_regions_off_loop(copies)

@@ -1,6 +1,7 @@
 """P2P reads over the ZMQ channel of chunks large enough that their landing copies run
-on a thread (common/transport/channel_zmq.py, COPY_ON_LOOP_BELOW): two engines in this
-process, each with its own loop and P2P server on loopback."""
+on a thread (common/transport/channel_zmq.py; the threshold is common/offload.py's
+OFFLOAD_FROM): two engines in this process, each with its own loop and P2P server on
+loopback."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from kvmesh.common import offload
 from kvmesh.common.config import EngineConfig, L1Config, P2PConfig
-from kvmesh.common.transport import channel_zmq
 from kvmesh.services.worker.engine import KVEngine
 from kvmesh.services.worker.peer_locator import PeerLocation
 
@@ -60,7 +61,7 @@ def test_large_chunks_land_bit_exact_through_the_thread_copy(pair) -> None:
         sent.append(obj.raw.clone())
         peer.storage.put(key, obj)
         keys.append(key)
-    assert N * sent[0].numel() >= channel_zmq.COPY_ON_LOOP_BELOW  # the thread path
+    assert N * sent[0].numel() >= offload.OFFLOAD_FROM  # the thread path
     reader.peer_locator = AllAt(peer.p2p_endpoint)
     free_before = reader.pool.free_pages
     objs, sources = reader.storage.get_prefix(keys)

@@ -17,10 +17,10 @@ import torch
 import zmq
 from kvtest.p2p import CHUNK, kv_cache, prompt, slot_bytes
 
+from kvmesh.common import offload
 from kvmesh.common.chunk_codec import payload_checksum
 from kvmesh.common.config import EngineConfig, L1Config, P2PConfig, PDConfig
 from kvmesh.common.protocol import p2p as proto
-from kvmesh.common.transport import channel_zmq
 from kvmesh.services.worker import pd_receiver, pd_sender
 from kvmesh.services.worker.engine import KVEngine
 from kvmesh.services.worker.pd_receiver import hold_id
@@ -52,7 +52,7 @@ def pair(request, monkeypatch) -> Iterator[tuple[KVEngine, KVEngine]]:
     if request.param.endswith("-threads"):
         # Every push gathers its regions and lands its frames on a thread, as a push of
         # a megabyte and more does.
-        monkeypatch.setattr(channel_zmq, "COPY_ON_LOOP_BELOW", 1)
+        monkeypatch.setattr(offload, "OFFLOAD_FROM", 1)
     prefiller = make("sender", channel, seed=1)
     decoder = make("receiver", channel, seed=None)
     yield prefiller, decoder
@@ -404,7 +404,7 @@ def _on_loop(engine: KVEngine, fn):
 def test_pushed_frames_land_on_a_thread_from_a_megabyte(monkeypatch, threshold: int) -> None:
     # At or above the threshold the copy runs on a thread and the loop serves other
     # tasks meanwhile; below, it runs inline (no other task runs during the push).
-    monkeypatch.setattr(channel_zmq, "COPY_ON_LOOP_BELOW", threshold)
+    monkeypatch.setattr(offload, "OFFLOAD_FROM", threshold)
     decoder = make("receiver", "zmq", seed=None)
     try:
         receiver = decoder.pd_receiver
@@ -432,7 +432,7 @@ def test_pushed_frames_land_on_a_thread_from_a_megabyte(monkeypatch, threshold: 
 
 
 def test_a_cancel_while_frames_are_copied_frees_the_pages_after_the_copy(monkeypatch) -> None:
-    monkeypatch.setattr(channel_zmq, "COPY_ON_LOOP_BELOW", 1)
+    monkeypatch.setattr(offload, "OFFLOAD_FROM", 1)
     started, go = threading.Event(), threading.Event()
     copy = pd_receiver._write_regions
 

@@ -13,6 +13,8 @@ import torch
 from kvtest.paged import bits, make_cache, slot_tokens
 from kvtest.remote import RedisCluster, RedisProcess, remote_engine
 
+from kvmesh.common import offload
+
 TOKENS = 80  # ten chunks of 8
 
 
@@ -43,9 +45,12 @@ def dbsize(port: int) -> int:
     return int(out.stdout.strip())
 
 
-@pytest.mark.parametrize("which", ["single", "cluster"])
-def test_a_fresh_engine_reuses_chunks_through_redis(which, request) -> None:
-    store = request.getfixturevalue("redis_single" if which == "single" else "redis_cluster")
+@pytest.mark.parametrize("which", ["single", "single-threads", "cluster"])
+def test_a_fresh_engine_reuses_chunks_through_redis(which, request, monkeypatch) -> None:
+    if which == "single-threads":
+        # Every value's checksum, header join and decode on a thread, as from a megabyte.
+        monkeypatch.setattr(offload, "OFFLOAD_FROM", 1)
+    store = request.getfixturevalue("redis_cluster" if which == "cluster" else "redis_single")
     (src_view, src_layers, kind), (dst_view, dst_layers, _) = caches()
     prompt = list(range(5000, 5000 + TOKENS))
     src_slots, dst_slots = torch.randperm(128)[:TOKENS], torch.randperm(128)[:TOKENS]

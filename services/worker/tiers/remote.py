@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from kvmesh.common import offload
 from kvmesh.common.chunk_codec import CODECS, Codec, CorruptChunk
 from kvmesh.common.codecs import Codec as ChunkCodec
 from kvmesh.common.codecs import codec_from_config
@@ -48,8 +49,8 @@ from kvmesh.services.worker.tiers.remote_codec import (
     decode_or_none,
     encode,
     finish_placed,
-    off_loop,
     placement,
+    release_result,
 )
 from kvmesh.services.worker.tiers.remote_connector import Connector
 from kvmesh.services.worker.tiers.remote_health import HealthMonitor
@@ -58,8 +59,6 @@ from kvmesh.services.worker.tiers.remote_stats import RemoteStats
 
 log = get_logger(__name__)
 
-# Values from this size are decoded (copy + checksum, or decompression) off the loop.
-OFFLOAD_FROM = 1 << 20
 MAX_LOOKUP_KEYS = 4096
 CLEAR_TIMEOUT_S = 60.0
 CLOSE_TIMEOUT_S = 5.0
@@ -227,10 +226,12 @@ class RemoteTier:
                 stats.puts["down"].inc()
                 return
             known = obj.checksum
-            if self._codec is Codec.NONE and (known is not None or obj.nbytes < OFFLOAD_FROM):
+            if self._codec is Codec.NONE and (
+                known is not None or obj.nbytes < offload.OFFLOAD_FROM
+            ):
                 header, packed, payload = encode(key, obj, checksum=known)
             else:  # checksum (and compression) of a large chunk: off the loop
-                header, packed, payload = await asyncio.to_thread(
+                header, packed, payload = await offload.offload(
                     encode, key, obj, self._codec_impl, self.config.compression_min_saving, known
                 )
             # Kept on the object, so a peer or another tier that needs it later does
@@ -287,19 +288,33 @@ class RemoteTier:
                     obj = None
                 elif placed:
                     target = placed.pop()
-                    if header.nbytes >= OFFLOAD_FROM:
-                        obj = await off_loop(finish_placed, key, header, target)
+                    if header.nbytes >= offload.OFFLOAD_FROM:
+                        obj = await offload.offload(
+                            finish_placed, key, header, target, abandoned=release_result
+                        )
                     else:
                         obj = finish_placed(key, header, target)
-                elif header.nbytes >= OFFLOAD_FROM or header.codec:
-                    obj = await off_loop(decode_or_none, key, header, fetched.payload, allocator)
+                elif header.nbytes >= offload.OFFLOAD_FROM or header.codec:
+                    obj = await offload.offload(
+                        decode_or_none,
+                        key,
+                        header,
+                        fetched.payload,
+                        allocator,
+                        abandoned=release_result,
+                    )
                 else:
                     # Small: decoded here while a page is free at once; when the L1
                     # must wait for one, the wait happens on a thread, not the loop.
                     obj = decode_or_none(key, header, fetched.payload, without_wait(allocator))
                     if obj is None:
-                        obj = await off_loop(
-                            decode_or_none, key, header, fetched.payload, allocator
+                        obj = await offload.offload(
+                            decode_or_none,
+                            key,
+                            header,
+                            fetched.payload,
+                            allocator,
+                            abandoned=release_result,
                         )
             finally:
                 for unused in placed:  # the get failed after its buffer was given
@@ -349,10 +364,12 @@ class RemoteTier:
             old = fetched.header
             if old.codec == (Codec.NONE if codec is None else codec.id):
                 return "unchanged"
-            obj = await off_loop(decode_or_none, key, old, fetched.payload, allocator)
+            obj = await offload.offload(
+                decode_or_none, key, old, fetched.payload, allocator, abandoned=release_result
+            )
             if obj is None:
                 return "failed"
-            header, packed, payload = await asyncio.to_thread(
+            header, packed, payload = await offload.offload(
                 encode, key, obj, codec, self.config.compression_min_saving
             )
             if header.codec == old.codec:

@@ -17,8 +17,6 @@ compresses much losslessly, so it is off by default.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -150,18 +148,7 @@ def finish_placed(key: ChunkKey, header: ChunkHeader, obj: MemoryObj) -> MemoryO
     return _filled(key, header, chunk_bytes(obj), obj)
 
 
-async def off_loop(fn: Callable[..., MemoryObj | None], *args: Any) -> MemoryObj | None:
-    """fn(*args) on a worker thread (copy, checksum and decompression of a large chunk
-    would stall the event loop). A caller cancelled meanwhile does not leak the
-    buffer: the thread's result is released when it arrives."""
-    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-    try:
-        return await asyncio.shield(work)
-    except asyncio.CancelledError:
-        work.add_done_callback(_release_result)
-        raise
-
-
-def _release_result(fut: asyncio.Future) -> None:
+def release_result(fut: asyncio.Future[MemoryObj | None]) -> None:
+    """`offload`'s `abandoned` for a decode: the buffer it returns, nobody's now, is freed."""
     if not fut.cancelled() and fut.exception() is None and fut.result() is not None:
         fut.result().ref_down()

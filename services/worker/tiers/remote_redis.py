@@ -23,6 +23,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from kvmesh.common import offload
 from kvmesh.common.chunk_codec import VALUE_LAYOUT, ChunkHeader
 from kvmesh.common.keys import ChunkKey
 from kvmesh.services.worker.tiers.remote_connector import Fetched, host_ports, redact
@@ -93,7 +94,12 @@ class RedisConnector:
         await self._client().ping()
 
     async def put(self, key: ChunkKey, header: ChunkHeader, packed: bytes, payload: Any) -> None:
-        await self._client().set(self._name(key), b"".join((packed, payload)))
+        parts = (packed, payload)
+        if header.stored_nbytes < offload.OFFLOAD_FROM:
+            value = b"".join(parts)
+        else:  # a copy of megabytes (bytes.join lets go of the GIL for it)
+            value = await offload.offload(b"".join, parts)
+        await self._client().set(self._name(key), value)
 
     async def get(self, key: ChunkKey) -> Fetched | None:
         data = await self._client().get(self._name(key))

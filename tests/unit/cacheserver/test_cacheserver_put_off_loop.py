@@ -13,10 +13,11 @@ import xxhash
 import zmq
 from kvtest.cacheserver_handlers import handlers
 
+from kvmesh.common.offload import OFFLOAD_FROM
 from kvmesh.common.protocol import cacheserver as proto
 from kvmesh.common.protocol.cacheserver import ErrorCode
 from kvmesh.services.cacheserver.handlers import Handlers, RequestError
-from kvmesh.services.cacheserver.store import HASH_OFF_LOOP_FROM, MemoryStore
+from kvmesh.services.cacheserver.store import MemoryStore
 
 MiB = 1 << 20
 
@@ -27,10 +28,10 @@ def big_handlers() -> Handlers:
 
 def test_puts_of_large_values_run_as_tasks() -> None:
     h = big_handlers()
-    big, small = zmq.Frame(bytes(HASH_OFF_LOOP_FROM)), zmq.Frame(bytes(1024))
+    big, small = zmq.Frame(bytes(OFFLOAD_FROM)), zmq.Frame(bytes(1024))
     assert h.suspends(proto.PutValue(1, "k"), [big])
     assert not h.suspends(proto.PutValue(1, "k"), [small])
-    quarter = zmq.Frame(bytes(HASH_OFF_LOOP_FROM // 4))
+    quarter = zmq.Frame(bytes(OFFLOAD_FROM // 4))
     assert h.suspends(proto.PutValues(1, ["a", "b", "c", "d"]), [quarter] * 4)
     assert not h.suspends(proto.PutValues(1, ["a", "b"]), [quarter] * 2)
     assert h.async_table[proto.PutValue] == h.aput
