@@ -51,6 +51,9 @@ class ControllerClient:
         self._side: set[asyncio.Task] = set()
         self._seq = 0  # seq of the last event sent (or lost)
         self._seen_dropped = 0
+        # Full states being built or sent: events wait meanwhile, so none recorded after
+        # the state's snapshot goes out numbered at or below the state's seq.
+        self._states = 0
         self.registered = False
         self.registrations = 0
         self.resyncs = 0
@@ -170,14 +173,18 @@ class ControllerClient:
         self._sub.drain()
         self._seen_dropped = self._sub.dropped
         held = self.engine.storage.l1.keys()  # a copy, taken under the tier's lock
-        # ~0.3 µs a key: a thread, so a large L1 does not hold the engine's loop (the
-        # GIL comes back to it every switch interval).
-        keys = await asyncio.to_thread(lambda: [k.to_str() for k in held])
-        await conn.request(
-            proto.FullState(conn.next_rid(), self.worker_id, self._seq, {"l1": keys}),
-            proto.FullStateReply,
-            deadline_s=max(self.cfg.timeout_s, 5.0),
-        )
+        self._states += 1
+        try:
+            # ~0.3 µs a key: a thread, so a large L1 does not hold the engine's loop (the
+            # GIL comes back to it every switch interval).
+            keys = await asyncio.to_thread(lambda: [k.to_str() for k in held])
+            await conn.request(
+                proto.FullState(conn.next_rid(), self.worker_id, self._seq, {"l1": keys}),
+                proto.FullStateReply,
+                deadline_s=max(self.cfg.timeout_s, 5.0),
+            )
+        finally:
+            self._states -= 1
 
     # -- events -------------------------------------------------------------------------
     async def _event_loop(self) -> None:
@@ -188,7 +195,7 @@ class ControllerClient:
 
     def _flush_events(self) -> None:
         conn = self._conn
-        if conn is None:
+        if conn is None or self._states:
             return
         dropped = self._sub.dropped
         if dropped > self._seen_dropped:  # fell behind: leave a gap, the controller resyncs
