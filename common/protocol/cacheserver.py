@@ -39,6 +39,9 @@ change of meaning bumps PROTOCOL_VERSION.
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import Annotated
+
+import msgspec
 
 from kvmesh.common.protocol import wire
 
@@ -48,6 +51,14 @@ MAX_META_BYTES = 4096
 MAX_BATCH = 4096
 MAX_LIST_LIMIT = 10_000
 MIN_PART_BYTES = 1 << 20
+MAX_CLIENT_NAME = 256
+
+# A request's lists are bounded where they are decoded: a header of millions of tiny keys
+# (a frame may hold up to max_value_size) would otherwise cost seconds of the server's
+# loop and gigabytes before the batch rule refused it.
+Keys = Annotated[list[str], msgspec.Meta(max_length=MAX_BATCH)]
+Metas = Annotated[list[bytes], msgspec.Meta(max_length=MAX_BATCH)]
+Checksums = Annotated[list[int | None], msgspec.Meta(max_length=MAX_BATCH)]
 
 
 class ErrorCode(IntEnum):
@@ -77,7 +88,7 @@ RETRYABLE = frozenset({ErrorCode.NO_HELLO, ErrorCode.TOO_MANY_CONNECTIONS, Error
 class Hello(wire.Message, tag="hello"):
     rid: int
     version: int
-    client: str = ""
+    client: Annotated[str, msgspec.Meta(max_length=MAX_CLIENT_NAME)] = ""
     # 0: values come back as one frame each; else in parts of at most this many bytes
     # (the server raises anything below MIN_PART_BYTES to it).
     value_part_bytes: int = 0
@@ -107,25 +118,25 @@ class DeleteValue(wire.Message, tag="delete"):
 
 class PutValues(wire.Message, tag="mput"):
     rid: int
-    keys: list[str]
-    metas: list[bytes] = []
+    keys: Keys
+    metas: Metas = []
     # Empty, or one per key (None where the client gives none).
-    checksums: list[int | None] = []
+    checksums: Checksums = []
 
 
 class GetValues(wire.Message, tag="mget"):
     rid: int
-    keys: list[str]
+    keys: Keys
 
 
 class CheckValues(wire.Message, tag="mexists"):
     rid: int
-    keys: list[str]
+    keys: Keys
 
 
 class DeleteValues(wire.Message, tag="mdelete"):
     rid: int
-    keys: list[str]
+    keys: Keys
 
 
 class ListKeys(wire.Message, tag="list"):

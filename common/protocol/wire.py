@@ -50,18 +50,76 @@ def tags_of(union: Any) -> frozenset[str]:
     return frozenset(t.__struct_config__.tag for t in members)
 
 
-# Untyped: reads the rid and tag of a message the typed decoder refused.
-_raw_decoder = msgspec.msgpack.Decoder()
+# What _peek reads of a refused message: a tag longer than this is no known one.
+PEEK_BYTES = 256
+_ARRAY_LEN = {0xDC: 2, 0xDD: 4}  # msgpack array16, array32: bytes of the length
+_STR_LEN = {0xD9: 1, 0xDA: 2, 0xDB: 4}  # str8, str16, str32
+_INT = {0xCC: (1, False), 0xCD: (2, False), 0xCE: (4, False), 0xCF: (8, False)}
+_INT |= {0xD0: (1, True), 0xD1: (2, True), 0xD2: (4, True), 0xD3: (8, True)}
 
 
 def _peek(raw: Buffer) -> list | None:
-    try:
-        arr = _raw_decoder.decode(raw)
-    # ValueError: not msgpack, or a str not UTF-8; RecursionError: arrays nested
-    # deeper than msgspec's limit, which the typed decoder refused before reaching.
-    except (ValueError, TypeError, RecursionError):
+    """The tag and rid at the head of a msgpack array, for the error reply to a message
+    the typed decoder refused: [tag, rid] (None for one that is neither a str nor an
+    int), shorter for a shorter array, None when it is not an array. Only the first
+    PEEK_BYTES are read: a refused header may hold millions of items, and decoding them
+    all would cost the loop seconds."""
+    head = bytes(memoryview(raw)[:PEEK_BYTES])
+    if not head:
         return None
-    return arr if isinstance(arr, list) else None
+    first, pos = head[0], 1
+    if 0x90 <= first <= 0x9F:
+        n = first & 0x0F
+    elif first in _ARRAY_LEN:
+        pos += _ARRAY_LEN[first]
+        if len(head) < pos:
+            return None
+        n = int.from_bytes(head[1:pos], "big")
+    else:
+        return None
+    out: list = []
+    while len(out) < min(n, 2) and pos < len(head):
+        item, pos = _scalar(head, pos)
+        if item is _CUT:
+            out.append(None)
+            break
+        out.append(item)
+    return out
+
+
+_CUT = object()
+_FIXED = {0xC0: None, 0xC2: False, 0xC3: True}  # nil, false, true
+
+
+def _scalar(head: bytes, pos: int) -> tuple[object, int]:
+    """(the str, int, bool or nil at pos, the position after it), or (_CUT, pos) for
+    anything else, or for one cut off by PEEK_BYTES."""
+    b = head[pos]
+    if b <= 0x7F:
+        return b, pos + 1
+    if b >= 0xE0:
+        return b - 0x100, pos + 1
+    if b in _FIXED:
+        return _FIXED[b], pos + 1
+    start, size = pos + 1, 0
+    if 0xA0 <= b <= 0xBF or b in _STR_LEN:
+        if b in _STR_LEN:
+            start += _STR_LEN[b]
+            size = int.from_bytes(head[pos + 1 : start], "big")
+        else:
+            size = b & 0x1F
+        if start + size > len(head):
+            return _CUT, pos
+        try:
+            return head[start : start + size].decode(), start + size
+        except UnicodeDecodeError:
+            return _CUT, pos
+    if b in _INT:
+        width, signed = _INT[b]
+        if start + width > len(head):
+            return _CUT, pos
+        return int.from_bytes(head[start : start + width], "big", signed=signed), start + width
+    return _CUT, pos
 
 
 def _rid_of(arr: list | None) -> int:

@@ -10,6 +10,12 @@ protocol's ErrorReply and counts as op "invalid"; an exception from a dispatch o
 spawned handler is logged and counted as INTERNAL (a spawned one is also answered),
 and serving goes on. A message of fewer than two frames has no routing id and header
 to answer to and is dropped.
+
+Messages are read a frame at a time, at most FRAME_BUDGET frames a loop turn: ZMQ bounds
+each frame's size (MAXMSGSIZE) but not how many frames a message has, and a message of a
+million empty frames (2 MB on the wire) would otherwise hold the loop for seconds before
+any check. Frames past a message's `max_frames` are read and dropped, a budget a turn,
+and the message is answered BAD_MESSAGE.
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ from kvmesh.common.protocol.wire import Codec, MalformedMessage
 
 log = get_logger(__name__)
 
-DRAIN_BATCH = 256
+FRAME_BUDGET = 8192  # frames read per loop turn, ~2 µs each
 HWM = 100_000
+DEFAULT_MAX_FRAMES = 16
 
 # A spawned handler's answer: the reply and the value frames that follow it.
 Answer = tuple[Any, Sequence[Any]]
@@ -68,6 +75,12 @@ class RouterLoop:
         self._dispatch = dispatch
         self._stats = stats
         self._sock: zmq.Socket | None = None
+        self._max_frames = DEFAULT_MAX_FRAMES
+        # The message being read (it may span turns): its frames, whether more follow,
+        # and how many past max_frames were dropped.
+        self._partial: list[zmq.Frame] | None = None
+        self._more = False
+        self._dropped = 0
 
     def start(
         self,
@@ -75,16 +88,19 @@ class RouterLoop:
         port: int,
         *,
         max_message_bytes: int,
+        max_frames: int = DEFAULT_MAX_FRAMES,
         monitor_events: int = 0,
         secure: Callable[[zmq.Socket], None] | None = None,
     ) -> int:
         """Bind host:port (port 0: any free one) and serve; returns the port.
 
         A frame over max_message_bytes closes its sender's connection (ZMQ's
-        MAXMSGSIZE). With monitor_events, `monitor` receives those socket events; it
-        is set up before the bind, so it sees every connection. `secure(sock)` runs
-        before the bind too (CURVE: common/transport/curve.py).
+        MAXMSGSIZE); a message of more than max_frames frames (routing id and header
+        included) is answered BAD_MESSAGE. With monitor_events, `monitor` receives
+        those socket events; it is set up before the bind, so it sees every connection.
+        `secure(sock)` runs before the bind too (CURVE: common/transport/curve.py).
         """
+        self._max_frames = max(2, max_frames)
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, HWM)
@@ -153,25 +169,63 @@ class RouterLoop:
 
     def _on_readable(self) -> None:
         """Serve what the socket holds (ZMQ's FD is edge-triggered, so drain it), at most
-        DRAIN_BATCH messages per turn so timers and other callbacks still run."""
+        FRAME_BUDGET frames per turn so timers and other callbacks still run."""
         sock = self._sock
         if sock is None:
             return
-        for _ in range(DRAIN_BATCH):
-            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                return
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        budget = FRAME_BUDGET
+        while budget > 0:
+            if self._partial is None:
+                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    return
+                try:
+                    first = sock.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    return
+                self._partial, self._more, self._dropped = [first], first.more, 0
+                budget -= 1
+            frames = self._partial
+            # The rest of a message is there once its first frame is (ZMQ delivers a
+            # message whole).
+            while self._more and budget > 0:
+                budget -= 1
+                if len(frames) < self._max_frames:
+                    frame = sock.recv(zmq.NOBLOCK, copy=False)
+                    frames.append(frame)
+                    self._more = frame.more
+                else:
+                    sock.recv(zmq.NOBLOCK)
+                    self._dropped += 1
+                    self._more = bool(sock.getsockopt(zmq.RCVMORE))
+            if self._more:
+                break  # the rest next turn
+            self._partial = None
             if len(frames) < 2:
                 continue  # nothing to answer to
             try:
-                self._receive(frames)
+                if self._dropped:
+                    self._too_many(frames)
+                else:
+                    self._receive(frames)
             except Exception:  # a bug must not stop serving everyone else
                 log.exception("request dispatch failed")
                 self._stats.errors[self.codec.codes.INTERNAL].inc()
         asyncio.get_running_loop().call_soon(self._on_readable)
+
+    def _too_many(self, frames: list[zmq.Frame]) -> None:
+        peer = frames[0].bytes
+        self._stats.requests["invalid"].inc()
+        try:
+            rid = self.codec.decode_request(frames[1].buffer).rid
+        except MalformedMessage as exc:
+            self._stats.errors[self.codec.codes(exc.reply.code)].inc()
+            self.send(peer, exc.reply)
+            return
+        code = self.codec.codes.BAD_MESSAGE
+        self._stats.errors[code].inc()
+        values = len(frames) - 2 + self._dropped
+        text = f"{values} value frames in one message; at most {self._max_frames - 2}"
+        self.send(peer, self.codec.error_reply(rid, code, text))
 
     def _receive(self, frames: list[zmq.Frame]) -> None:
         peer = frames[0].bytes

@@ -143,6 +143,7 @@ class CacheServer:
             # Values are bounded by max_value_size, headers (up to MAX_BATCH keys) by a
             # few MiB.
             max_message_bytes=int(cfg.max_value_size) + (8 << 20),
+            max_frames=proto.MAX_BATCH + 2,  # routing id, header, a batch of values
             monitor_events=zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | guard.events,
             secure=guard.secure,
         )

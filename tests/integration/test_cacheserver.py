@@ -408,3 +408,49 @@ def test_one_hello_reopens_the_session_for_every_request_in_flight(tmp_path: Pat
         assert asyncio.run(main()) == 1
     finally:
         srv.stop()
+
+
+def test_a_message_of_a_million_frames_or_keys_does_not_hold_the_loop(server) -> None:
+    # ZMQ bounds a frame's size, not a message's frame count: a million empty frames are
+    # 2 MB on the wire. Read whole before any check, they held the server's loop for
+    # seconds (its HTTP health with it); now they are read a budget a turn, dropped past
+    # the batch limit, and answered. A header of millions of keys is refused at the
+    # list's length, before its keys are decoded.
+    base = f"http://127.0.0.1:{server.metrics_port}"
+
+    def health_ms() -> float:
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(f"{base}/healthz", timeout=10) as r:
+            assert r.status == 200
+        return (time.perf_counter() - t0) * 1e3
+
+    async def main() -> None:
+        bad = RawPeer(server.endpoint)
+        good = await connected(server)
+        try:
+            await bad.hello()
+            await bad.sock.send_multipart([enc(proto.GetValues(41, ["k"]))] + [b""] * 1_000_000)
+            reply_task = asyncio.ensure_future(bad.sock.recv_multipart())
+            waits: list[float] = []
+            while not reply_task.done():
+                waits.append(await asyncio.to_thread(health_ms))
+            reply = proto.decode_reply((await reply_task)[0])
+            assert isinstance(reply, proto.ErrorReply), reply
+            assert (reply.rid, reply.code) == (41, proto.ErrorCode.BAD_MESSAGE)
+            assert "1000000 value frames" in reply.message
+            # Served meanwhile, none held for the flood's whole time.
+            assert len(waits) >= 2 and max(waits) < 1000, waits
+
+            huge = msgspec.msgpack.encode(["mget", 42, ["k"] * 4_000_000])
+            t0 = time.perf_counter()
+            reply = await bad.ask(huge, timeout_s=10)
+            assert (time.perf_counter() - t0) < 1.0
+            assert (reply.rid, reply.code) == (42, proto.ErrorCode.BAD_MESSAGE), reply
+            assert "length <= 4096" in reply.message
+            assert await good.put("after-flood", b"ok") > 0
+            assert (await good.get("after-flood")).data == b"ok"
+        finally:
+            bad.close()
+            await good.close()
+
+    asyncio.run(main())
