@@ -18,7 +18,9 @@ checksum; a file that fails is deleted and the read is a miss.
 
 The spill is a cache of the memory tier, not a store: it is bounded by `max_size`
 (oldest files deleted first) and starts empty (leftover files are deleted on start).
-I/O runs on a small thread pool; the index is only touched on the event loop.
+I/O runs on a small thread pool; the index is only touched on the event loop. A write
+that fails because the disk is full or read-only pauses spilling for `retry_s` (what
+would have been spilled is dropped), rather than failing every eviction the same way.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import os
 import struct
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +49,8 @@ _HEAD = struct.Struct("<8sIIQQ")
 _CHECK = struct.Struct("<Q")
 HEADER_SIZE = _HEAD.size + _CHECK.size
 SUFFIX = ".val"
+# Write errors that every following write would hit too.
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
 class SpillCorrupt(ValueError):
@@ -95,11 +101,14 @@ class DiskSpill:
         *,
         max_backlog: int = 256 << 20,
         io_threads: int = 2,
+        retry_s: float = 30.0,
     ) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.max_size = max_size
         self.max_backlog = max_backlog
+        self.retry_s = retry_s
+        self._retry_at = 0.0  # no spilling before this (monotonic): the disk is full
         self._index: OrderedDict[str, _Spilled] = OrderedDict()  # written files, LRU
         self._pending: dict[str, Entry] = {}  # being written: still readable from memory
         self._backlog = 0
@@ -129,10 +138,14 @@ class DiskSpill:
 
     # -- writes -------------------------------------------------------------------
     def submit(self, key: str, entry: Entry) -> bool:
-        """Start writing an evicted entry; False (dropped) when it cannot fit or the
-        write backlog is full."""
+        """Start writing an evicted entry; False (dropped) when it cannot fit, the
+        write backlog is full or spilling is paused."""
         size = HEADER_SIZE + len(key.encode()) + len(entry.meta) + entry.nbytes
-        if size > self.max_size or self._backlog + entry.nbytes > self.max_backlog:
+        if (
+            size > self.max_size
+            or self._backlog + entry.nbytes > self.max_backlog
+            or time.monotonic() < self._retry_at
+        ):
             self.dropped += 1
             return False
         self.discard(key)
@@ -158,10 +171,16 @@ class DiskSpill:
     def _write(self, name: str, key: str, entry: Entry) -> None:
         header = pack_file_header(key.encode(), entry.meta, entry.nbytes, entry.checksum)
         tmp = self.path / (name + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(header)
-            f.write(entry.view)
-        os.rename(tmp, self.path / name)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(entry.view)
+            os.rename(tmp, self.path / name)
+        except BaseException:
+            # A part-written file is counted nowhere: it would stay until a restart.
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
     def _written(self, fut: asyncio.Future, key: str, entry: Entry, name: str, size: int) -> None:
         self._backlog -= entry.nbytes
@@ -173,7 +192,14 @@ class DiskSpill:
             self.used_bytes -= size
             self._unlink_later(name)
             if exc is not None:
-                log.warning("spill write failed", error=repr(exc))
+                now = time.monotonic()
+                if now >= self._retry_at:  # once per pause, not for each write queued
+                    full = isinstance(exc, OSError) and exc.errno in _DISK_FULL
+                    if full:
+                        self._retry_at = now + self.retry_s
+                    log.warning(
+                        "spill write failed", error=repr(exc), paused_s=self.retry_s if full else 0
+                    )
                 self.dropped += 1
                 if current and self.on_forget is not None:
                     self.on_forget(key)
@@ -196,28 +222,34 @@ class DiskSpill:
 
     # -- reads --------------------------------------------------------------------
     async def read(self, key: str) -> Entry | None:
-        """The entry, verified; None (and the file deleted) when it fails its checks."""
-        pending = self._pending.get(key)
-        if pending is not None:
-            return pending
-        spilled = self._index.get(key)
-        if spilled is None:
-            return None
+        """The key's current entry, verified; None when it is gone or its file fails its
+        checks (the file is then deleted)."""
         loop = asyncio.get_running_loop()
-        try:
-            # The read and the checksum check, both on the pool's thread.
-            meta, view, checksum = await loop.run_in_executor(
-                self._pool, _read_parsed, self.path / spilled.name, key.encode()
-            )
-        except (OSError, SpillCorrupt) as exc:
-            self.corrupt += 1
-            log.warning("spill file dropped", error=str(exc))
-            if self._index.get(key) is spilled:
+        while True:
+            pending = self._pending.get(key)
+            if pending is not None:
+                return pending
+            spilled = self._index.get(key)
+            if spilled is None:
+                return None
+            try:
+                # The read and the checksum check, both on the pool's thread.
+                meta, view, checksum = await loop.run_in_executor(
+                    self._pool, _read_parsed, self.path / spilled.name, key.encode()
+                )
+            except (OSError, SpillCorrupt) as exc:
+                if self._index.get(key) is not spilled:
+                    continue  # evicted or replaced while read: gone, not corrupt
+                self.corrupt += 1
+                log.warning("spill file dropped", error=str(exc))
                 self.discard(key)
                 if self.on_forget is not None:
                     self.on_forget(key)
-            return None
-        return Entry(view, view, meta, checksum)
+                return None
+            if self._index.get(key) is spilled:
+                return Entry(view, view, meta, checksum)
+            # The key was put again (or deleted) while its file was read: what was read
+            # may be older than its value now, so look again.
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -233,5 +265,10 @@ def _read_all(path: Path) -> bytes:
 
 
 def _unlink_quietly(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
+    try:
         os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        # Nothing awaits this: unsaid, the file would stay on disk, counted nowhere.
+        log.warning("spill file not deleted", path=str(path), error=str(exc))
