@@ -218,7 +218,10 @@ class DiskSpill:
         return True
 
     def _unlink_later(self, name: str) -> None:
-        self._pool.submit(_unlink_quietly, self.path / name)
+        try:
+            self._pool.submit(_unlink_quietly, self.path / name)
+        except RuntimeError:  # closed: a write that ended after close() cleans up here
+            _unlink_quietly(self.path / name)
 
     # -- reads --------------------------------------------------------------------
     async def read(self, key: str) -> Entry | None:

@@ -200,3 +200,17 @@ def test_an_unlink_that_fails_is_logged(tmp_path: Path) -> None:
     with capture_logs() as logs:
         asyncio.run(main())
     assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["spill file not deleted"]
+
+
+async def test_a_write_that_ends_after_close_still_cleans_up(tmp_path) -> None:
+    # A write still queued when the spill closes finishes on the pool's way down; its
+    # callback, on the loop afterwards, must not fail scheduling the cleanup.
+    spill = DiskSpill(tmp_path, 1 << 20)
+    loop_errors: list[dict] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: loop_errors.append(ctx))
+    assert spill.submit("k", make_entry(b"v" * 1000))
+    spill.discard("k")  # no longer current: its file is deleted once written
+    spill.close()
+    await asyncio.sleep(0.05)
+    assert loop_errors == []
+    assert [p.name for p in tmp_path.iterdir()] == []
