@@ -8,8 +8,9 @@ layer straight into the buffers (a NIXL WRITE, or `PushChunks` frames over ZMQ) 
 finally sends `CommitChunks` with each chunk's xxh3: chunks that verify enter L1 under
 their keys, pinned under the lookup id "pd:<transfer id>" until the decoder's vLLM has
 loaded them (the connector releases that id when the request finishes) or
-`pd.hold_s` passes. Then the chunks received are dropped from L1: a decoder stores no KV
-of its own, so kept chunks would only fill the free pages later transfers need.
+`pd.hold_s` passes. Then the chunks received are dropped from L1 (once no other
+transfer of the same prefix holds them): a decoder stores no KV of its own, so kept
+chunks would only fill the free pages later transfers need.
 
 Buffers that are never committed (a prefiller that died, a cancelled request) go back
 to the pool after the sender's deadline plus `pd.timeout_s`: a late NIXL write can then
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,6 +49,13 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 PIN_PREFIX = "pd:"
+# What a peer may make the receiver keep (the PD share bounds pages only, and an
+# allocation of chunks already here takes none): allocations in flight plus transfers
+# held, and the chunk keys they list. Beyond either, an allocation is refused (NO_ROOM:
+# the prompt is recomputed).
+MAX_TRANSFERS = 4096
+MAX_KEYS_TRACKED = 64 * proto.MAX_KEYS
+MAX_TRANSFER_ID = 128  # what the connector sends: [\w.-]{1,128}
 
 
 def hold_id(transfer_id: str) -> str:
@@ -69,6 +78,7 @@ class _Inbound:
     objs: list[MemoryObj | None]  # None: the chunk is here already, nothing to write
     expires: float  # monotonic
     pending: set[int]  # indices of the buffers awaiting their commit
+    have: list[ChunkKey]  # the chunks here already, pinned until the last commit or the end
 
 
 class PdReceiver:
@@ -78,8 +88,14 @@ class PdReceiver:
         self.grace_s = cfg.timeout_s
         self.max_pages = max(1, int(engine.pool.num_pages * cfg.max_receive_fraction))
         self._inbound: dict[int, _Inbound] = {}
-        # lookup id → (keys pinned for it, keys this engine received for it)
-        self._held: dict[str, tuple[list[ChunkKey], list[ChunkKey]]] = {}
+        # lookup id → (keys pinned for it, the received chunks it is a holder of)
+        self._held: dict[str, tuple[list[ChunkKey], set[ChunkKey]]] = {}
+        # A chunk received over PD → how many held transfers hold it (transfers of one
+        # prefix share chunks): it leaves L1 when the last one ends. At 0 it is in
+        # _orphans, a removal a pin refused (a lookup of vLLM's), retried by sweep.
+        self._owners: dict[ChunkKey, int] = {}
+        self._orphans: set[ChunkKey] = set()
+        self._keys = 0  # keys listed by the allocations in flight and the transfers held
         # Apart from lookups' pins: a decode may wait in vLLM's queue far longer than a
         # lookup waits for its retrieve.
         self.pins = LookupPins(engine.storage.unpin, cfg.hold_s)
@@ -117,7 +133,13 @@ class PdReceiver:
         e = self.engine
         if not msg.keys:
             raise PdRefused(proto.ErrorCode.BAD_MESSAGE, "no keys")
+        if not 0 < len(msg.transfer_id) <= MAX_TRANSFER_ID:
+            raise PdRefused(proto.ErrorCode.BAD_MESSAGE, "transfer id empty or too long")
+        if not math.isfinite(msg.deadline):  # NaN would never expire
+            raise PdRefused(proto.ErrorCode.BAD_MESSAGE, f"deadline {msg.deadline}")
         keys = _parse_keys(msg.keys)
+        if len(set(keys)) != len(keys):
+            raise PdRefused(proto.ErrorCode.BAD_MESSAGE, "duplicate keys")
         try:
             fmt: MemoryFormat | None = MemoryFormat(msg.fmt)
         except ValueError:
@@ -135,41 +157,57 @@ class PdReceiver:
             )
         if not 0 < msg.last_tokens <= e.config.chunk_size:
             raise PdRefused(proto.ErrorCode.BAD_MESSAGE, f"last_tokens {msg.last_tokens}")
-        l1 = e.storage.l1
-        wanted = [not l1.contains(k) for k in keys]
-        need = sum(wanted)
-        if self._pages + need > self.max_pages:
+        if (
+            len(self._inbound) + len(self._held) >= MAX_TRANSFERS
+            or self._keys + len(keys) > MAX_KEYS_TRACKED
+        ):
             raise PdRefused(
                 proto.ErrorCode.NO_ROOM,
-                f"{need} pages asked, {self.max_pages - self._pages} of the PD share free",
+                f"{len(self._inbound)} allocations and {len(self._held)} transfers held",
             )
-        axis = token_axis(e.chunk_format)
-        objs: list[MemoryObj | None] = []
-        for i, want in enumerate(wanted):
-            if not want:
-                objs.append(None)
-                continue
-            shape = list(full)
-            if i == len(keys) - 1:
-                shape[axis] = msg.last_tokens
-            obj = e.pool.allocate(shape, e.layout.dtype, e.chunk_format)
-            if obj is None:  # the pool itself is full: refuse rather than evict
-                for o in objs:
-                    if o is not None:
-                        o.ref_down()
-                raise PdRefused(proto.ErrorCode.NO_ROOM, "L1 has no free page")
-            objs.append(obj)
+        l1 = e.storage.l1
+        # A chunk answered `have` stays pinned until the commit holds it: dropped or
+        # evicted in between, the commit would report a chunk the decoder lacks.
+        have = [l1.contains(k, pin=True) for k in keys]
         deadline = _monotonic_deadline(msg.deadline, e.config.pd.timeout_s)
-        alloc_id = next(self._ids)
-        pending = {i for i, o in enumerate(objs) if o is not None}
-        self._inbound[alloc_id] = _Inbound(
-            msg.transfer_id, keys, objs, deadline + self.grace_s, pending
+        inbound = _Inbound(
+            msg.transfer_id,
+            keys,
+            [None] * len(keys),
+            deadline + self.grace_s,
+            set(),
+            [k for k, h in zip(keys, have, strict=True) if h],
         )
-        self._pages += need
+        self._keys += len(keys)
+        try:
+            need = len(keys) - len(inbound.have)
+            if self._pages + need > self.max_pages:
+                raise PdRefused(
+                    proto.ErrorCode.NO_ROOM,
+                    f"{need} pages asked, {self.max_pages - self._pages} of the PD share free",
+                )
+            axis = token_axis(e.chunk_format)
+            for i, h in enumerate(have):
+                if h:
+                    continue
+                shape = list(full)
+                if i == len(keys) - 1:
+                    shape[axis] = msg.last_tokens
+                obj = e.pool.allocate(shape, e.layout.dtype, e.chunk_format)
+                if obj is None:  # the pool itself is full: refuse rather than evict
+                    raise PdRefused(proto.ErrorCode.NO_ROOM, "L1 has no free page")
+                inbound.objs[i] = obj
+                inbound.pending.add(i)
+                self._pages += 1
+        except PdRefused:
+            self._free(inbound)
+            raise
+        alloc_id = next(self._ids)
+        self._inbound[alloc_id] = inbound
         self._gauges()
         slots = [
             proto.Slot(0, 0, True) if o is None else proto.Slot(o.data_ptr, o.nbytes, False)
-            for o in objs
+            for o in inbound.objs
         ]
         return proto.AllocChunksReply(msg.rid, alloc_id, slots)
 
@@ -221,8 +259,11 @@ class PdReceiver:
         # From here on these buffers are ours to place (expiry and cancel skip them).
         inbound.pending.difference_update(indices)
         self._pages -= len(indices)
-        if not inbound.pending:
+        have: list[ChunkKey] = []
+        if not inbound.pending:  # the last commit also holds (takes the pins of) the `have`s
             del self._inbound[msg.alloc_id]
+            self._keys -= len(inbound.keys)
+            have, inbound.have = inbound.have, []
         todo = [(i, inbound.objs[i], s) for i, s in zip(indices, msg.checksums, strict=True)]
         # While the sender is still writing the next group (a copy that keeps one core
         # busy), hash on one thread beside it rather than on every core.
@@ -231,8 +272,7 @@ class PdReceiver:
         l1 = self.engine.storage.l1
         events = self.engine.events
         committed = rejected = 0
-        present: list[ChunkKey] = []
-        received: list[ChunkKey] = []
+        present: list[ChunkKey] = []  # each pinned once, for the hold
         for (i, obj, checksum), got in zip(todo, sums, strict=True):
             assert obj is not None
             if got != checksum:
@@ -243,19 +283,21 @@ class PdReceiver:
             obj.checksum = checksum
             obj.key = key
             nbytes = obj.nbytes
+            obj.pin()  # before it is in L1: nothing evicts it before the hold
             if l1.insert(key, obj):
                 events.record(KVEventKind.STORED, key.to_str(), l1.name)
-                received.append(key)
+                self._owners.setdefault(key, 0)
+            elif not l1.pin(key):  # the copy that was here has just gone
+                rejected += 1
+                continue
             committed += 1
             self._bytes.inc(nbytes)
             present.append(key)
-        if not inbound.pending:  # the last commit also holds what the decoder had
-            present += [k for k, o in zip(inbound.keys, inbound.objs, strict=True) if o is None]
         self._committed.inc(committed)
         self._rejected.inc(rejected)
         if rejected:
             log.warning("PD chunks failed their checksum", transfer=inbound.transfer_id, n=rejected)
-        self._hold(inbound.transfer_id, present, received)
+        self._hold(inbound.transfer_id, present + have)
         self._gauges()
         return proto.CommitChunksReply(msg.rid, committed, rejected)
 
@@ -299,48 +341,77 @@ class PdReceiver:
         return inbound
 
     def _free(self, inbound: _Inbound) -> None:
+        """End an allocation its sender will not (fully) commit."""
+        l1 = self.engine.storage.l1
+        for key in inbound.have:
+            l1.unpin(key)
+        inbound.have = []
         for i in inbound.pending:
             obj = inbound.objs[i]
             assert obj is not None
             obj.ref_down()
         self._pages -= len(inbound.pending)
         inbound.pending.clear()
+        self._keys -= len(inbound.keys)
         self._gauges()
 
-    def _hold(self, transfer_id: str, keys: list[ChunkKey], received: list[ChunkKey]) -> None:
-        """Pin keys under the transfer's lookup id, with what earlier commits of the same
-        transfer (one per prefill step) pinned."""
-        e = self.engine
-        l1 = e.storage.l1
+    def _hold(self, transfer_id: str, keys: list[ChunkKey]) -> None:
+        """Hold keys (each pinned once by the caller) under the transfer's lookup id, with
+        what earlier commits of the same transfer (one per prefill step) hold; the
+        transfer becomes a holder of those received over PD."""
+        l1 = self.engine.storage.l1
         lookup_id = hold_id(transfer_id)
-        old, old_received = self._held.get(lookup_id, ([], []))
+        old, owned = self._held.get(lookup_id, ([], set()))
+        self._keys -= len(old)
         if lookup_id not in self.pins:
             old = []
         # hold() replaces the id's entry and unpins the old keys once: pin them again.
-        keys = [k for k in old if l1.pin(k)] + [k for k in keys if l1.pin(k)]
+        keys = [k for k in old if l1.pin(k)] + keys
         self.pins.hold(lookup_id, [(l1, k) for k in keys])
-        self._held[lookup_id] = (keys, old_received + received)
+        for key in keys:
+            if key in self._owners and key not in owned:
+                owned.add(key)
+                self._owners[key] += 1
+                self._orphans.discard(key)
+        self._held[lookup_id] = (keys, owned)
+        self._keys += len(keys)
 
     def drop(self, lookup_id: str) -> int:
-        """The transfer's chunks are loaded (or never will be): drop what was received
-        for it from L1, unless something else pinned it meanwhile."""
+        """The transfer's chunks are loaded (or never will be): drop from L1 those
+        received over PD that no other transfer holds."""
+        # A commit that came after release() pinned them again: the decode is over.
+        self.pins.release(lookup_id)
         entry = self._held.pop(lookup_id, None)
         if entry is None:
             return 0
-        l1 = self.engine.storage.l1
-        events = self.engine.events
+        self._keys -= len(entry[0])
         dropped = 0
         for key in entry[1]:
-            if l1.remove(key):
-                events.record(KVEventKind.REMOVED, key.to_str(), l1.name)
-                dropped += 1
+            self._owners[key] -= 1
+            if not self._owners[key]:
+                dropped += self._remove(key)
         self._gauges()
         return dropped
 
+    def _remove(self, key: ChunkKey) -> int:
+        """Remove a received chunk no transfer holds; one still pinned waits for sweep."""
+        l1 = self.engine.storage.l1
+        removed = l1.remove(key)
+        if not removed and l1.contains(key):
+            self._orphans.add(key)
+            return 0
+        del self._owners[key]
+        self._orphans.discard(key)
+        if removed:
+            self.engine.events.record(KVEventKind.REMOVED, key.to_str(), l1.name)
+        return int(removed)
+
     def sweep(self) -> int:
-        """Drop the transfers whose hold ended without a release (`pd.hold_s`)."""
+        """Drop the transfers whose hold ended without a release (`pd.hold_s`), and the
+        received chunks a pin kept from being removed."""
         self.pins.expire()
-        return sum(self.drop(i) for i in [i for i in self._held if i not in self.pins])
+        dropped = sum(self.drop(i) for i in [i for i in self._held if i not in self.pins])
+        return dropped + sum(self._remove(k) for k in list(self._orphans))
 
     def release(self, lookup_id: str) -> None:
         """The decode of a transfer ended (any thread): unpin and drop its chunks."""
