@@ -444,7 +444,7 @@ class CacheServerClient:
                 [v for _, v, _ in chunk],
                 timeout_s,
             )
-            out.extend(reply.errors)
+            out.extend(_one_each(reply.errors, keys, "mput"))
         return out
 
     async def get_many(
@@ -460,6 +460,8 @@ class CacheServerClient:
             parts = reply.parts or [1] * n_found
             if (
                 len(reply.found) != len(chunk)
+                or len(reply.metas) != len(chunk)
+                or len(reply.checksums) != len(chunk)
                 or len(parts) != n_found
                 or min(parts, default=1) < 1
                 or len(frames) != sum(parts)
@@ -485,7 +487,7 @@ class CacheServerClient:
             reply, _ = await self._call(
                 lambda rid, k=chunk: proto.CheckValues(rid, k), (), timeout_s
             )
-            out.extend(reply.found)
+            out.extend(_one_each(reply.found, chunk, "exists"))
         return out
 
     async def delete_many(self, keys: Sequence[str], timeout_s: float | None = None) -> list[bool]:
@@ -495,7 +497,7 @@ class CacheServerClient:
             reply, _ = await self._call(
                 lambda rid, k=chunk: proto.DeleteValues(rid, k), (), timeout_s
             )
-            out.extend(reply.deleted)
+            out.extend(_one_each(reply.deleted, chunk, "delete"))
         return out
 
     async def list_page(
@@ -522,6 +524,13 @@ class CacheServerClient:
     async def health(self, timeout_s: float | None = None) -> proto.CheckHealthReply:
         reply, _ = await self._call(lambda rid: proto.CheckHealth(rid), (), timeout_s)
         return reply
+
+
+def _one_each(results: list[Any], keys: Sequence[Any], op: str) -> list[Any]:
+    """results, checked to be one per key (else they could be taken for other keys')."""
+    if len(results) != len(keys):
+        raise BadRequestError(f"{op} reply has {len(results)} results for {len(keys)} keys")
+    return results
 
 
 def _nbytes(frame: Any) -> int:

@@ -151,7 +151,8 @@ class DataListener:
                     await loop.sock_sendall(conn, part)
 
     async def _greet(self, conn: socket.socket, reader: _Reader) -> None:
-        raw = await reader.take(data.PREAMBLE.size, self.config.request_timeout_s)
+        deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
+        raw = await reader.take(data.PREAMBLE.size, deadline)
         if raw is None:
             raise _Close("no preamble")
         magic, token = data.PREAMBLE.unpack(raw)
@@ -162,8 +163,10 @@ class DataListener:
         await self._send(conn, data.READY)
 
     async def _serve_one(self, conn: socket.socket, reader: _Reader) -> None:
-        timeout_s = self.config.request_timeout_s
-        head = await reader.take(data.REQUEST.size, timeout_s)
+        # One deadline for the whole request, not one per receive: a peer trickling
+        # a byte at a time must not hold it (and its connection slot) open.
+        deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
+        head = await reader.take(data.REQUEST.size, deadline)
         if head is None:
             raise _Close("request truncated")
         op, key_len = data.REQUEST.unpack(head)
@@ -173,7 +176,7 @@ class DataListener:
         if not 0 < key_len <= MAX_KEY_BYTES:  # refused before reading what could not be a key
             self.stats.data_requests["invalid"].inc()
             raise _Close(f"not a valid key: {key_len} bytes (1-{MAX_KEY_BYTES})")
-        raw = await reader.take(key_len, timeout_s)
+        raw = await reader.take(key_len, deadline)
         if raw is None:
             raise _Close("request truncated")
         try:
@@ -199,11 +202,11 @@ class _Reader:
         self.conn = conn
         self.buf = bytearray()
 
-    async def _fill(self, timeout_s: float) -> bool:
-        """More bytes within timeout_s; False when the peer closed or was silent."""
+    async def _fill(self, deadline: float) -> bool:
+        """More bytes by deadline (loop time); False when the peer closed or was silent."""
         loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(timeout_s):
+            async with asyncio.timeout_at(deadline):
                 more = await loop.sock_recv(self.conn, RECV_BYTES)
         except TimeoutError:
             return False
@@ -212,12 +215,15 @@ class _Reader:
 
     async def wait(self, timeout_s: float) -> bool:
         """Whether a request has begun (a byte is here) within timeout_s."""
-        return bool(self.buf) or await self._fill(timeout_s)
+        if self.buf:
+            return True
+        return await self._fill(asyncio.get_running_loop().time() + timeout_s)
 
-    async def take(self, n: int, timeout_s: float) -> bytes | None:
-        """The next n bytes, or None when the peer closed or stalled for timeout_s."""
+    async def take(self, n: int, deadline: float) -> bytes | None:
+        """The next n bytes, or None when the peer closed or they are not all here by
+        deadline (loop time)."""
         while len(self.buf) < n:
-            if not await self._fill(timeout_s):
+            if not await self._fill(deadline):
                 return None
         out = bytes(self.buf[:n])
         del self.buf[:n]

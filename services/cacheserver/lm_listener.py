@@ -10,9 +10,12 @@ Unlike LMCache's own server it sets TCP_NODELAY and sends a reply header and its
 payload in one write (two writes stall ~44 ms per small GET on Nagle plus delayed ACK).
 
 Bad input: a header that cannot be valid (negative length, a key that is empty or not
-UTF-8), an unknown command, a PUT over `max_value_size`, or a payload that stops
-arriving within `request_timeout_s` closes that connection (an unknown command gets a
-400 reply first); LIST gets a 400 reply. Other connections are not affected.
+UTF-8), an unknown command, a PUT over `max_value_size`, a header or payload that stops
+arriving within `request_timeout_s` once begun, or a reply the client does not take
+within it closes that connection (an unknown command gets a 400 reply first); LIST gets
+a 400 reply. An idle connection stays open, as with LMCache's own server, whose client
+keeps one connection for its life (TCP keepalive finds a peer whose host died). Other
+connections are not affected.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ class LmListener:
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         self.connections += 1
         self.stats.connections["lm"].set(self.connections)
         try:
@@ -86,16 +90,22 @@ class LmListener:
                 self.stats.lm_closed.inc()
                 return
             while True:
-                try:
-                    header = await reader.readexactly(lm.REQUEST_SIZE)
-                except asyncio.IncompleteReadError:
-                    return  # the client closed (or sent a truncated header)
+                header = await self._header(reader)
+                if header is None:
+                    return  # the client closed
                 await self._serve_one(header, reader, writer)
         except _Close as exc:
             self.stats.lm_closed.inc()
             log.info("lm:// connection closed", reason=str(exc))
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
             self.stats.lm_closed.inc()
+            # A peer too slow to read its reply would hold a graceful close open
+            # (the transport flushes first): drop what is unsent.
+            writer.transport.abort()
+        except asyncio.CancelledError:
+            # stop(): end normally, since Python 3.11's stream callback calls
+            # task.exception() on this task and logs a cancelled one as an error.
+            writer.transport.abort()
         finally:
             self.connections -= 1
             self.stats.connections["lm"].set(self.connections)
@@ -103,6 +113,19 @@ class LmListener:
             writer.close()
             with contextlib.suppress(ConnectionError, OSError):
                 await writer.wait_closed()
+
+    async def _header(self, reader: asyncio.StreamReader) -> bytes | None:
+        """The next request header; None when the client closed. Once its first byte is
+        here the rest must arrive within request_timeout_s (TimeoutError): a stalled
+        peer must not keep its slot."""
+        first = await reader.read(1)
+        if not first:
+            return None
+        try:
+            async with asyncio.timeout(self.config.request_timeout_s):
+                return first + await reader.readexactly(lm.REQUEST_SIZE - 1)
+        except asyncio.IncompleteReadError:
+            return None  # the client closed mid-header
 
     async def _serve_one(
         self, header: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -140,9 +163,15 @@ class LmListener:
         else:
             self.stats.lm_requests["invalid"].inc()
             writer.write(_FAIL)
-            await writer.drain()
+            await self._drain(writer)
             raise _Close(f"unknown command {command}")
-        await writer.drain()
+        await self._drain(writer)
+
+    async def _drain(self, writer: asyncio.StreamWriter) -> None:
+        # A client that sends gets and never reads the replies must not hold its
+        # connection (and the buffered values) forever.
+        async with asyncio.timeout(self.config.request_timeout_s):
+            await writer.drain()
 
     async def _put(self, req: lm.LmRequest, key: str, reader: asyncio.StreamReader) -> None:
         limit = int(self.config.max_value_size)

@@ -98,6 +98,10 @@ class KeyIndex:
     """Every key the store holds (memory or spill), split into hash buckets for paged,
     mutation-safe listing."""
 
+    # Keys a page looks at before it returns (whole buckets, so possibly more): a
+    # prefix that matches little must not walk the whole index in one request.
+    SCAN_PER_PAGE = 16384
+
     def __init__(self) -> None:
         self._buckets: list[set[str]] = [set() for _ in range(N_BUCKETS)]
 
@@ -112,9 +116,11 @@ class KeyIndex:
         self._buckets[self.bucket(key)].discard(key)
 
     def page(self, prefix: str, cursor: str, limit: int) -> tuple[list[str], str]:
-        """Up to limit keys after cursor; the next cursor ("" when done).
+        """Up to limit keys after cursor; the next cursor ("" when done). A page stops
+        early, possibly empty, after SCAN_PER_PAGE keys looked at.
 
-        A cursor is `"<bucket>:<last key returned>"`; ValueError if malformed.
+        A cursor is `"<bucket>:<last key returned>"`, or `"<bucket>:"` for the start
+        of that bucket; ValueError if malformed.
         """
         start, after = 0, None
         if cursor:
@@ -123,6 +129,7 @@ class KeyIndex:
                 raise ValueError(f"malformed cursor {cursor[:60]!r}")
             start = int(head)
         out: list[str] = []
+        examined = 0
         for b in range(start, N_BUCKETS):
             keys = sorted(
                 k
@@ -138,6 +145,9 @@ class KeyIndex:
             out.extend(keys)
             if len(out) == limit:
                 return out, f"{b}:{out[-1]}" if b + 1 < N_BUCKETS else ""
+            examined += len(self._buckets[b])
+            if examined >= self.SCAN_PER_PAGE and b + 1 < N_BUCKETS:
+                return out, f"{b + 1}:"
         return out, ""
 
 

@@ -216,6 +216,45 @@ def test_bad_input_gets_errors_and_others_are_served(server) -> None:
     asyncio.run(main())
 
 
+def test_batch_replies_with_a_result_missing_are_refused(server) -> None:
+    """A reply one result short (a server bug) is a bad reply, not results taken for
+    the wrong keys (or a bare ValueError from the mget's zip)."""
+    short_field = {
+        proto.PutValuesReply: "errors",
+        proto.GetValuesReply: "metas",
+        proto.CheckValuesReply: "found",
+        proto.DeleteValuesReply: "deleted",
+    }
+
+    async def main() -> None:
+        c = await connected(server)
+        real = c._call
+
+        async def one_short(make, frames=(), timeout_s=None):
+            reply, rest = await real(make, frames, timeout_s)
+            field = short_field.get(type(reply))
+            if field is not None:
+                reply = msgspec.structs.replace(reply, **{field: getattr(reply, field)[:-1]})
+            return reply, rest
+
+        keys = ["short:a", "short:b", "short:c"]
+        try:
+            await c.put_many([(k, b"v", b"") for k in keys])
+            c._call = one_short  # type: ignore[method-assign]
+            with pytest.raises(BadRequestError):
+                await c.put_many([(k, b"v", b"") for k in keys])
+            with pytest.raises(BadRequestError):
+                await c.get_many(keys)
+            with pytest.raises(BadRequestError):
+                await c.exists_many(keys)
+            with pytest.raises(BadRequestError):
+                await c.delete_many(keys)
+        finally:
+            await c.close()
+
+    asyncio.run(main())
+
+
 def test_non_zmtp_bytes_and_oversized_frames_only_cost_their_connection(server) -> None:
     for payload in (os.urandom(4096), b"GET / HTTP/1.1\r\n\r\n", b"\xff" * 20):
         with socket.create_connection(("127.0.0.1", server.port), 2) as s:

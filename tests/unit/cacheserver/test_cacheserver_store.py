@@ -92,6 +92,29 @@ def test_key_index_pages_cover_every_key_once_despite_mutation() -> None:
         index.page("", "nonsense", 10)
 
 
+def test_a_key_index_page_stops_after_a_bounded_scan(monkeypatch) -> None:
+    """A prefix that matches little gets short (even empty) pages with a cursor, not
+    one page that walked the whole index on the loop; the pages still list every
+    match once."""
+    monkeypatch.setattr(KeyIndex, "SCAN_PER_PAGE", 100)
+    index = KeyIndex()
+    keys = [f"a:{i:05d}" for i in range(5000)] + [f"b:{i:02d}" for i in range(30)]
+    for k in keys:
+        index.add(k)
+    page, cursor = index.page("nomatch", "", 1000)
+    assert page == [] and cursor  # it scanned all 5030 keys and said done
+    seen: list[str] = []
+    cursor, pages = "", 0
+    while True:
+        page, cursor = index.page("b:", cursor, 1000)
+        seen.extend(page)
+        pages += 1
+        if not cursor:
+            break
+    assert sorted(seen) == sorted(k for k in keys if k.startswith("b:"))
+    assert pages > 10
+
+
 def run(coro):
     return asyncio.run(coro)
 
