@@ -41,6 +41,9 @@ from kvmesh.common.protocol import wire
 PROTOCOL_VERSION = 1
 MAX_KEYS = 4096  # per request: ~16 GiB of 4 MiB chunks, far beyond one prompt
 MAX_KEY_CHARS = 64  # "<16 hex>-<32 hex>" is 49
+# A message's header frame (payloads aside): MAX_KEYS keys or chunk metas take ~0.5 MiB.
+# A larger one is refused before it is decoded.
+MAX_HEADER_BYTES = 1 << 20
 
 
 class ErrorCode(IntEnum):
@@ -229,6 +232,8 @@ Reply = (
 def _check_request(msg: Request) -> tuple[ErrorCode, str] | None:
     if isinstance(msg, PushChunks | CommitChunks) and len(msg.chunks) > MAX_KEYS:
         return ErrorCode.BAD_MESSAGE, f"more than {MAX_KEYS} chunks"
+    if isinstance(msg, CommitChunks) and len(msg.checksums) > MAX_KEYS:
+        return ErrorCode.BAD_MESSAGE, f"more than {MAX_KEYS} checksums"
     if isinstance(msg, ReadChunks | PinChunks | AllocChunks):
         if len(msg.keys) > MAX_KEYS:
             return ErrorCode.BAD_MESSAGE, f"more than {MAX_KEYS} keys"

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvmesh.common.memory import MemoryObj
 from kvmesh.common.protocol.p2p import ChunkMeta, HelloReply, Reply, Request
-from kvmesh.common.transport.peer_conn import PeerError
+from kvmesh.common.transport.peer_conn import PeerError, StuckTransfer
 
 if TYPE_CHECKING:
     from kvmesh.common.transport.curve import CurveKeys
@@ -45,6 +45,7 @@ __all__ = [
     "LandedFn",
     "PeerError",
     "Piece",
+    "StuckTransfer",
     "TransferChannel",
     "make_channel",
     "nixl_available",
@@ -126,11 +127,14 @@ def make_channel(
     """A channel by config value (auto|nixl|zmq). regions: (address, length) of the
     memory NIXL registers, the engine's L1 pool, served to peers and read into. curve:
     the CurveKeys its connections to peers use (None: plain)."""
+    from kvmesh.common.protocol.p2p import MAX_HEADER_BYTES
     from kvmesh.common.transport.channel_zmq import ZmqChannel
     from kvmesh.common.transport.peer_conn import PeerConnections
 
     if kind == "zmq" or (kind == "auto" and not nixl_available()):
-        return ZmqChannel(PeerConnections(curve))
+        # No frame a peer sends is larger than the pool it lands in, plus a header.
+        most = sum(n for _, n in regions) + MAX_HEADER_BYTES if regions else -1
+        return ZmqChannel(PeerConnections(curve, max_frame=most))
     if kind not in ("auto", "nixl"):
         raise ValueError(f"unknown p2p channel {kind!r} (auto, nixl or zmq)")
     from kvmesh.common.transport.channel_nixl import NixlChannel

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import time
 import uuid
@@ -35,7 +36,12 @@ from kvmesh.common.protocol import p2p as proto
 from kvmesh.common.transport.channel import AllocFn, Landed, LandedFn, Piece, check_hello
 from kvmesh.common.transport.channel_zmq import ZmqChannel
 from kvmesh.common.transport.chunk_regions import layer_regions
-from kvmesh.common.transport.peer_conn import PeerConnections, PeerError
+from kvmesh.common.transport.peer_conn import (
+    PeerConnection,
+    PeerConnections,
+    PeerError,
+    StuckTransfer,
+)
 
 if TYPE_CHECKING:
     from kvmesh.common.transport.curve import CurveKeys
@@ -86,7 +92,9 @@ class NixlChannel:
             self.agent.register_memory(self.agent.get_reg_descs([(a, n, 0, "")], "DRAM"))
             for a, n in regions
         ]
-        self._conns = PeerConnections(curve)
+        # No frame a peer sends is larger than this pool (a chunk) plus a header.
+        most = sum(n for _, n in regions) + proto.MAX_HEADER_BYTES
+        self._conns = PeerConnections(curve, max_frame=most)
         self._zmq = ZmqChannel(self._conns)
         # Peer endpoint → its agent's name ("" = it speaks ZMQ only).
         self._agents: dict[str, str] = {}
@@ -125,11 +133,17 @@ class NixlChannel:
     ) -> list[Landed]:
         try:
             return await self._read(endpoint, keys, alloc, timeout_s, on_landed)
-        except PeerError:
-            # The peer may have restarted behind the same endpoint: hello again next time.
+        except PeerError as exc:
+            self._forget(endpoint, exc)
+            raise
+
+    def _forget(self, endpoint: str, exc: PeerError) -> None:
+        """After a failure: the peer may have restarted behind the same endpoint, so
+        hello again next time. A peer that refused one request (an ErrorReply) is
+        alive and its connection kept, with the other requests waiting on it."""
+        if exc.code is None:
             self._conns.drop(endpoint)
             self._agents.pop(endpoint, None)
-            raise
 
     async def call(
         self, endpoint: str, make: Callable[[int], proto.Request], timeout_s: float
@@ -158,9 +172,8 @@ class NixlChannel:
         deadline = time.monotonic() + timeout_s
         try:
             peer = await self._peer_agent(endpoint, timeout_s)
-        except PeerError:
-            self._conns.drop(endpoint)
-            self._agents.pop(endpoint, None)
+        except PeerError as exc:
+            self._forget(endpoint, exc)
             raise
         if not peer:
             await self._zmq.write_groups(
@@ -184,7 +197,19 @@ class NixlChannel:
                 self._transfer(peer, local, remote, deadline, "WRITE")
                 loop.call_soon_threadsafe(on_written, i)
 
-        await loop.run_in_executor(self._pool, write_all)
+        job = loop.run_in_executor(self._pool, write_all)
+        try:
+            await asyncio.shield(job)
+        except asyncio.CancelledError:
+            # A cancel does not stop the WRITE on its thread, into the peer's receive
+            # buffers: the caller frees them (CancelChunks) once this raises, so it
+            # raises only after the WRITE has ended (by its deadline at the latest).
+            while not job.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([job])
+            if not job.cancelled():
+                job.exception()  # read: a failure after the cancel is no news
+            raise
 
     async def _read(
         self,
@@ -207,6 +232,7 @@ class NixlChannel:
             self._conns.drop(endpoint)
             raise PeerError(f"unexpected reply to pin: {type(reply).__name__}")
         landed: list[Landed] = []
+        job: asyncio.Future[None] | None = None
         try:
             for meta in reply.chunks:
                 obj = alloc(meta)
@@ -217,24 +243,26 @@ class NixlChannel:
                     raise PeerError(f"buffer of {obj.nbytes} bytes for {meta.nbytes}")
             loop = asyncio.get_running_loop()
             if landed and on_landed is not None:
-                await loop.run_in_executor(
+                job = loop.run_in_executor(
                     self._pool, self._read_overlapped, peer, landed, on_landed, deadline
                 )
             elif landed:
                 local = [(obj.data_ptr, meta.nbytes, 0) for meta, obj in landed]
                 remote = [(meta.addr, meta.nbytes, 0) for meta, _ in landed]
-                await loop.run_in_executor(
+                job = loop.run_in_executor(
                     self._pool, self._transfer, peer, local, remote, deadline
                 )
-        except BaseException as exc:
-            if not isinstance(exc, _StuckTransfer):
-                for _, obj in landed:
-                    obj.ref_down()
+            if job is not None:
+                await asyncio.shield(job)
+        except BaseException:
+            if job is None or job.done():
+                _let_go(conn, reply.lease, landed, job)
+            else:
+                # Cancelled: the READ runs on, on its thread, into our buffers from the
+                # peer's pages. Both are let go only once it has ended.
+                job.add_done_callback(lambda _: _let_go(conn, reply.lease, landed, job))
             raise
-        finally:
-            conn.send_nowait(
-                proto.ReleaseChunks(conn.next_rid(), proto.PROTOCOL_VERSION, reply.lease)
-            )
+        conn.send_nowait(proto.ReleaseChunks(conn.next_rid(), proto.PROTOCOL_VERSION, reply.lease))
         return landed
 
     def _transfer(
@@ -287,7 +315,7 @@ class NixlChannel:
             for handle in started:
                 try:
                     self._release(handle, peer, "READ")
-                except _StuckTransfer as exc:
+                except StuckTransfer as exc:
                     stuck = exc
             if stuck is not None:
                 raise stuck
@@ -336,7 +364,7 @@ class NixlChannel:
             # Still running: the landing buffers may yet be written, so they are
             # never handed back to the pool (a leak, not wrong KV).
             log.error("NIXL transfer could not be released", peer=peer, error=repr(exc))
-            raise _StuckTransfer(f"NIXL {op} with {peer} stuck: {exc!r}") from None
+            raise StuckTransfer(f"NIXL {op} with {peer} stuck: {exc!r}") from None
 
     async def aclose(self) -> None:
         self._conns.close()
@@ -355,6 +383,18 @@ class NixlChannel:
             except Exception as exc:
                 log.warning("NIXL deregister failed", error=repr(exc))
         self._regs = []
+
+
+def _let_go(
+    conn: PeerConnection, lease: int, landed: list[Landed], job: asyncio.Future[None] | None
+) -> None:
+    """After a read that failed or was cancelled, once its transfer job (if any) has
+    ended: its buffers back to the pool, and the peer's lease released."""
+    stuck = job is not None and not job.cancelled() and isinstance(job.exception(), StuckTransfer)
+    if not stuck:  # else NIXL may still write them: kept (a leak, not wrong KV)
+        for _, obj in landed:
+            obj.ref_down()
+    conn.send_nowait(proto.ReleaseChunks(conn.next_rid(), proto.PROTOCOL_VERSION, lease))
 
 
 def _failure(state: str) -> str:
@@ -396,7 +436,3 @@ def _each(on_landed: LandedFn, group: list[_Range]) -> None:
             on_landed(meta, obj, off, n)
         except Exception as exc:  # the caller's bug must not hide the transfer's result
             log.warning("on_landed failed", key=meta.key, error=repr(exc))
-
-
-class _StuckTransfer(PeerError):
-    """A transfer NIXL would not release: its buffers stay referenced forever."""

@@ -70,13 +70,17 @@ class ZmqChannel:
                     break  # no room: what landed so far is still good
                 landed.append((meta, obj))
                 frames.append(buf)
+                if obj.nbytes != meta.nbytes:  # a shape or dtype of another size
+                    raise PeerError(
+                        f"chunk {meta.key}: buffer of {obj.nbytes} bytes for {meta.nbytes}"
+                    )
         except Exception:
             _release(landed)
             raise
-        if sum(meta.nbytes for meta, _ in landed) < offload.OFFLOAD_FROM:
-            _copy_frames(landed, frames)
-            return landed
         try:
+            if sum(meta.nbytes for meta, _ in landed) < offload.OFFLOAD_FROM:
+                _copy_frames(landed, frames)
+                return landed
             # Abandoned by a cancel, the thread may still be writing into the buffers:
             # they are freed after it.
             await offload.offload(

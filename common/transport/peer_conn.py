@@ -30,13 +30,25 @@ class PeerError(RuntimeError):
         self.code = code
 
 
+class StuckTransfer(PeerError):
+    """A transfer the transport would not release: its buffers (ours, and the peer's it
+    writes into) may still be written, so they stay referenced (a leak, not wrong KV)."""
+
+
 class PeerConnection:
     def __init__(
-        self, ctx: zmq.asyncio.Context, endpoint: str, curve: CurveKeys | None = None
+        self,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        curve: CurveKeys | None = None,
+        max_frame: int = -1,
     ) -> None:
         self.endpoint = endpoint
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.linger = 0
+        # A peer's frame larger than any valid one drops the connection instead of
+        # being buffered whole in this (vLLM's) process.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
         # Without a live peer, sends fail at once instead of queueing for a dead one.
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
         apply_client(self._sock, curve, endpoint)
@@ -120,17 +132,19 @@ class PeerConnection:
         self.broken = True
         if self._rx is not None:
             self._rx.cancel()
-        for fut in self._pending.values():
-            if not fut.done():
-                fut.cancel()
+        # Failed, not cancelled: the requests' tasks were not cancelled, and their
+        # callers handle a PeerError (a miss) but not a CancelledError.
+        self._break(PeerError(f"connection to {self.endpoint} closed"))
         self._sock.close(0)
 
 
 class PeerConnections:
     """One live connection per endpoint; broken ones are replaced on next use."""
 
-    def __init__(self, curve: CurveKeys | None = None) -> None:
+    def __init__(self, curve: CurveKeys | None = None, max_frame: int = -1) -> None:
+        """max_frame: the largest frame a peer may send (-1: any)."""
         self.curve = curve
+        self.max_frame = max_frame
         self._ctx: zmq.asyncio.Context | None = None
         self._conns: dict[str, PeerConnection] = {}
 
@@ -141,7 +155,9 @@ class PeerConnections:
                 conn.close()
             if self._ctx is None:
                 self._ctx = zmq.asyncio.Context()
-            conn = self._conns[endpoint] = PeerConnection(self._ctx, endpoint, self.curve)
+            conn = self._conns[endpoint] = PeerConnection(
+                self._ctx, endpoint, self.curve, self.max_frame
+            )
         return conn
 
     def drop(self, endpoint: str) -> None:

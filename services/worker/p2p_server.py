@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import itertools
+import secrets
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -43,8 +43,10 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 COPY_BELOW = 1 << 20  # smaller payloads are copied: a send tracker costs more
-MAX_HEADER_BYTES = 1 << 20
-SEND_WAIT_S = 30.0  # a zero-copy frame ZMQ has not sent by then is leaked, not reused
+SEND_WAIT_S = 30.0  # a zero-copy frame ZMQ has not sent by then is reported
+# A reader that died without closing its connection (host down, network cut): ZMQ pings
+# it and, unanswered, drops its connection and the replies queued for it.
+HEARTBEAT_IVL_S, HEARTBEAT_TIMEOUT_S = 10.0, 60.0
 Handled = tuple[proto.Reply, list[MemoryObj]]
 
 
@@ -59,10 +61,11 @@ class P2PServer:
         self.endpoint = f"tcp://{host}:{port}"
         self.lease_s = max(10.0, 4 * engine.config.p2p.timeout_s)
         self._leases: dict[int, tuple[list[MemoryObj], float]] = {}
-        self._lease_ids = itertools.count(1)
         self._done: concurrent.futures.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[Any]] = set()
+        # Zero-copy replies ZMQ may still be sending from: their chunks, referenced.
+        self._unsent: dict[zmq.MessageTracker, list[MemoryObj]] = {}
         m = engine.stats.metrics
         req = m.counter("p2p_server_requests_total", "Peer requests served", ["kind"])
         self._requests = {k: req.labels(kind=k) for k in ("hello", "read", "pin", "release", "pd")}
@@ -107,7 +110,9 @@ class P2PServer:
         # No valid frame (a header, a pushed chunk or layer) is larger than all of L1:
         # a peer's giant one drops its connection instead of being buffered whole in
         # the engine's process (vLLM's).
-        sock.setsockopt(zmq.MAXMSGSIZE, self.engine.pool.capacity_bytes + MAX_HEADER_BYTES)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.engine.pool.capacity_bytes + proto.MAX_HEADER_BYTES)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_IVL_S * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_TIMEOUT_S * 1000))
         guard = CurveGuard(ctx, self.engine.curve, self.engine.stats.metrics, "worker")
         guard.serve(sock)
         try:
@@ -128,6 +133,11 @@ class P2PServer:
             sock.close(0)
             await asyncio.to_thread(guard.close)
             ctx.term()
+            # Terminated: ZMQ has let go of every frame it had not sent.
+            for objs in self._unsent.values():
+                for obj in objs:
+                    obj.ref_down()
+            self._unsent.clear()
             for lease in list(self._leases):
                 self._release(lease)
 
@@ -159,27 +169,37 @@ class P2PServer:
             tracker = None
         self._served.inc(total)
         if zero_copy and tracker is not None:
-            task = asyncio.create_task(self._release_when_sent(tracker, objs))
+            self._unsent[tracker] = objs
+            task = asyncio.create_task(self._release_when_sent(tracker))
             self._bg.add(task)
             task.add_done_callback(self._bg.discard)
         else:
             for obj in objs:
                 obj.ref_down()
 
-    async def _release_when_sent(self, tracker: zmq.MessageTracker, objs: list[MemoryObj]) -> None:
-        deadline = time.monotonic() + SEND_WAIT_S
+    async def _release_when_sent(self, tracker: zmq.MessageTracker) -> None:
+        """Drop the chunks' references once ZMQ has let go of their frames: sent, or
+        dropped with the reader's connection (however long that takes). The server's
+        shutdown releases them if it comes first."""
+        warn_at = time.monotonic() + SEND_WAIT_S
+        pause = 0.001
         while not tracker.done:
-            if time.monotonic() > deadline:
-                log.error("zero-copy chunk frames never sent; pages kept", chunks=len(objs))
-                return
-            await asyncio.sleep(0.001)
-        for obj in objs:
+            if warn_at and time.monotonic() > warn_at:
+                log.error("zero-copy chunk frames not sent yet; pages kept until they are")
+                warn_at = 0.0
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 0.5)
+        for obj in self._unsent.pop(tracker, []):
             obj.ref_down()
 
     # -- requests -----------------------------------------------------------------------
     async def handle(self, frames: Sequence[bytes | memoryview]) -> Handled:
         """The reply to one request (without routing id), and the objects whose bytes
         follow it as payload frames (one reference each, dropped once sent)."""
+        if frames and len(frames[0]) > proto.MAX_HEADER_BYTES:
+            # Decoding it would hold the loop (and every transfer on it) for seconds.
+            problem = f"header of {len(frames[0])} bytes, over {proto.MAX_HEADER_BYTES}"
+            return proto.error_reply(0, proto.ErrorCode.BAD_MESSAGE, problem), []
         try:
             msg = proto.decode_request(frames)
         except proto.MalformedMessage as exc:
@@ -243,7 +263,9 @@ class P2PServer:
         if not self.channel.hello_fields()[0]:
             return proto.error_reply(msg.rid, proto.ErrorCode.NO_NIXL, "this peer serves ZMQ only")
         held = await self._held(msg.keys, msg.deadline)
-        lease = next(self._lease_ids)
+        # Random, not counted: a ReleaseChunks meant for a lease of a server before a
+        # restart does not release another reader's lease here.
+        lease = secrets.randbits(63)
         if held:
             self._leases[lease] = ([obj for _, obj in held], time.monotonic() + self.lease_s)
             self._leased.set(len(self._leases))

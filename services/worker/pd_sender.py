@@ -35,7 +35,7 @@ from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import MemoryObj
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import p2p as proto
-from kvmesh.common.transport.channel import PeerError, Piece, TransferChannel
+from kvmesh.common.transport.channel import PeerError, Piece, StuckTransfer, TransferChannel
 from kvmesh.common.transport.chunk_regions import WHOLE, token_axis
 
 if TYPE_CHECKING:
@@ -92,7 +92,10 @@ class PdSender:
             refused = exc.code == proto.ErrorCode.NO_ROOM
             self._pushes["refused" if refused else "failed"].inc()
             log.warning("PD push failed", transfer=push.target.transfer_id, error=str(exc))
-            await push.cancel()
+            if not isinstance(exc, StuckTransfer):
+                # Else the WRITE may still land: the decoder's buffers are left to its
+                # expiry rather than freed now for someone else's chunk.
+                await push.cancel()
             return 0
         except BaseException:
             self._pushes["failed"].inc()

@@ -464,3 +464,92 @@ def test_a_cancel_while_frames_are_copied_frees_the_pages_after_the_copy(monkeyp
     finally:
         go.set()
         decoder.close()
+
+
+def test_an_abandoned_push_frees_the_decoder_buffers_only_after_its_write(monkeypatch) -> None:
+    """A cancel does not stop a NIXL WRITE on the channel's thread: the decoder's
+    receive pages are cancelled only once it has ended, so it cannot land in a page that
+    holds another transfer's chunk by then."""
+    from kvmesh.common.transport import channel_nixl
+
+    writing, go = threading.Event(), threading.Event()
+    transfer = channel_nixl.NixlChannel._transfer
+
+    def held(self, peer, local, remote, deadline, op="READ") -> None:  # a big layer, far
+        if op == "WRITE":
+            writing.set()
+            assert go.wait(5)
+        transfer(self, peer, local, remote, deadline, op)
+
+    monkeypatch.setattr(channel_nixl.NixlChannel, "_transfer", held)
+    prefiller = make("sender", "nixl", seed=1)
+    decoder = make("receiver", "nixl", seed=None)
+    try:
+        tokens, slots = prompt(5, 2 * CHUNK), torch.arange(2 * CHUNK)
+        gen = push_layers(prefiller, tokens, slots, None, PdTarget("a", decoder.p2p_endpoint))
+        next(gen)  # layer 0 handed to the loop
+        assert writing.wait(5)
+        gen.close()  # the step is abandoned while layer 0's WRITE runs
+        time.sleep(0.3)
+        assert decoder.pd_receiver.pages == 2 and decoder.pool.used_pages == 2
+        go.set()
+        deadline = time.monotonic() + 3.0
+        while decoder.pool.used_pages and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert decoder.pool.used_pages == 0 and decoder.pd_receiver.pages == 0
+    finally:
+        go.set()
+        prefiller.close()
+        decoder.close()
+
+
+def test_an_over_long_header_is_refused_before_it_is_decoded(monkeypatch) -> None:
+    decode = proto.decode_request
+    decoded: list[int] = []
+
+    def counted(frames):
+        decoded.append(len(frames[0]))
+        return decode(frames)
+
+    monkeypatch.setattr(proto, "decode_request", counted)
+    decoder = make("receiver", "zmq", seed=None)
+    raw = _Raw(decoder.p2p_endpoint)
+    try:
+        # ~1.4 MiB of checksums: decoding one of hundreds of MiB holds the loop for seconds.
+        big = proto.CommitChunks(1, proto.PROTOCOL_VERSION, 12345, [2**63] * 150_000)
+        frame = proto.encode(big)
+        assert len(frame) > proto.MAX_HEADER_BYTES
+        err = raw.ask(frame)
+        assert isinstance(err, proto.ErrorReply) and err.code == proto.ErrorCode.BAD_MESSAGE
+        assert decoded == []
+        # Under the header limit, more checksums than a commit can have chunks: refused.
+        many = proto.CommitChunks(2, proto.PROTOCOL_VERSION, 12345, [1] * (proto.MAX_KEYS + 1))
+        err = raw.ask(proto.encode(many))
+        assert isinstance(err, proto.ErrorReply) and err.code == proto.ErrorCode.BAD_MESSAGE
+        assert "checksums" in err.message
+    finally:
+        raw.close()
+        decoder.close()
+
+
+def test_a_stuck_write_leaves_the_decoder_buffers_to_their_expiry(monkeypatch) -> None:
+    """A WRITE NIXL would not release may still land: its receive pages are not
+    cancelled (freed for someone else's chunk) but left to the decoder's expiry."""
+    from kvmesh.common.transport import channel_nixl
+
+    def stuck(self, peer, local, remote, deadline, op="READ") -> None:
+        raise channel_nixl.StuckTransfer(f"NIXL {op} with {peer} stuck")
+
+    monkeypatch.setattr(channel_nixl.NixlChannel, "_transfer", stuck)
+    prefiller = make("sender", "nixl", seed=1)
+    decoder = make("receiver", "nixl", seed=None)
+    try:
+        tokens, slots = prompt(5, 2 * CHUNK), torch.arange(2 * CHUNK)
+        gen = push_layers(prefiller, tokens, slots, None, PdTarget("s", decoder.p2p_endpoint))
+        assert drain(gen) == 0
+        assert metric(prefiller, "pd_pushes_total", outcome="failed") == 1
+        time.sleep(0.2)
+        assert decoder.pd_receiver.pages == 2 and decoder.pool.used_pages == 2
+    finally:
+        prefiller.close()
+        decoder.close()

@@ -158,6 +158,7 @@ def test_requests_and_replies_round_trip() -> None:
         ([proto.encode(proto.Hello(3, 2))], proto.ErrorCode.VERSION_MISMATCH),
         ([proto.encode(proto.ReadChunks(4, 1, ["k"] * (proto.MAX_KEYS + 1)))], 1),
         ([proto.encode(proto.PinChunks(5, 1, ["k" * 65]))], proto.ErrorCode.BAD_KEY),
+        ([proto.encode(proto.CommitChunks(6, 1, 1, [0] * (proto.MAX_KEYS + 1)))], 1),
     ],
 )
 def test_bad_requests_raise_malformed_with_a_reply(frames, code) -> None:
