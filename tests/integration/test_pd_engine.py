@@ -16,6 +16,7 @@ import pytest
 import torch
 import zmq
 from kvtest.p2p import CHUNK, kv_cache, prompt, slot_bytes
+from kvtest.paged import drain
 
 from kvmesh.common import offload
 from kvmesh.common.chunk_codec import payload_checksum
@@ -58,14 +59,6 @@ def pair(request, monkeypatch) -> Iterator[tuple[KVEngine, KVEngine]]:
     yield prefiller, decoder
     prefiller.close()
     decoder.close()
-
-
-def drain(gen) -> int:
-    while True:
-        try:
-            next(gen)
-        except StopIteration as stop:
-            return stop.value
 
 
 def metric(engine: KVEngine, name: str, **labels: str) -> float:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Generator
+from typing import Any
+
 import torch
 
 from kvmesh.gpu_ext.layout import VLLM_LAYOUT_NAMES, KVKind
@@ -90,3 +93,12 @@ def slot_tokens(layers: list[torch.Tensor], kind: KVKind) -> torch.Tensor:
         else:
             out.append(t.reshape(t.shape[0] * t.shape[1], 1, t.shape[2]))
     return torch.stack(out)
+
+
+def drain(gen: Generator) -> Any:
+    """Step a layer-by-layer generator (a store or retrieve) to its end; its return value."""
+    while True:
+        try:
+            next(gen)
+        except StopIteration as stop:
+            return stop.value

@@ -294,19 +294,12 @@ class RemoteTier:
                         )
                     else:
                         obj = finish_placed(key, header, target)
-                elif header.nbytes >= offload.OFFLOAD_FROM or header.codec:
-                    obj = await offload.offload(
-                        decode_or_none,
-                        key,
-                        header,
-                        fetched.payload,
-                        allocator,
-                        abandoned=release_result,
-                    )
                 else:
-                    # Small: decoded here while a page is free at once; when the L1
-                    # must wait for one, the wait happens on a thread, not the loop.
-                    obj = decode_or_none(key, header, fetched.payload, without_wait(allocator))
+                    obj = None
+                    if header.nbytes < offload.OFFLOAD_FROM and not header.codec:
+                        # Small: decoded here while a page is free at once; when the L1
+                        # must wait for one, the wait happens on a thread, not the loop.
+                        obj = decode_or_none(key, header, fetched.payload, without_wait(allocator))
                     if obj is None:
                         obj = await offload.offload(
                             decode_or_none,

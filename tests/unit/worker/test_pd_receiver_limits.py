@@ -11,6 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from kvtest.p2p import CHUNK, kv_cache, prompt
+from kvtest.paged import drain
 
 from kvmesh.common.chunk_codec import payload_checksum
 from kvmesh.common.config import EngineConfig, L1Config, P2PConfig, PDConfig
@@ -40,14 +41,6 @@ def decoder():
     engine = make("receiver", None)
     yield engine
     engine.close()
-
-
-def drain(gen) -> int:
-    while True:
-        try:
-            next(gen)
-        except StopIteration as stop:
-            return stop.value
 
 
 def on_loop(engine: KVEngine, fn: Callable[[], object]):
