@@ -96,6 +96,11 @@ REINDEX_BATCH = 1024
 # Threads checking what reads brought in; hashing is CPU work, one thread a core.
 CHECK_THREADS = max(1, os.cpu_count() or 1)
 PROGRESS_EVERY_S = 1.0
+# Read errors of the process or the system, not of the file (out of descriptors or
+# memory, interrupted): the read misses and the chunk stays.
+TRANSIENT_ERRNOS = frozenset(
+    {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EINTR, errno.ENOBUFS}
+)
 
 
 class _State(IntEnum):
@@ -113,6 +118,9 @@ class _Entry:
     fmt: MemoryFormat
     pins: int = 0
     readers: int = 0
+    # A rewrite is renaming this entry's file into place: deletes and evictions leave
+    # it (and the entry) to the rewrite, which deletes it after the rename if need be.
+    replacing: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -297,7 +305,9 @@ class DiskTier:
                     counts["kept"] += 1
                     counts["kept_bytes"] += f.size
                     continue
-                key = f.header.key if f.header is not None else key_of_file_name(f.name)
+                # The name's key, not the header's (a misplaced file may name another):
+                # the file unlinked below is that name's.
+                key = key_of_file_name(f.name)
                 if key is not None and key in self._index:
                     continue  # a fresh write owns that name now
                 holder = None
@@ -328,7 +338,7 @@ class DiskTier:
     # -- eviction -------------------------------------------------------------------------
     def _evictable(self, key: ChunkKey) -> bool:
         e = self._index[key]
-        return e.state is _State.READY and e.pins == 0 and e.readers == 0
+        return e.state is _State.READY and e.pins == 0 and e.readers == 0 and not e.replacing
 
     def _evict_to_fit_locked(self, incoming: int) -> list[tuple[ChunkKey, _Entry]] | None:
         """Mark for deletion enough chunks that `incoming` more bytes fit; the victims,
@@ -624,10 +634,10 @@ class DiskTier:
         except asyncio.CancelledError:
             # The read may still finish: its buffer must go back to the allocator.
             fut.add_done_callback(_drop_landed_result)
+            if _cancelled_by_pool(fut):  # close() dropped the queued read
+                self.misses.inc(MissReason.ERROR)
+                return None
             raise
-        except concurrent.futures.CancelledError:  # the pool shut down before the read
-            self.misses.inc(MissReason.ERROR)
-            return None
         if landed is None:
             return None
         try:
@@ -643,6 +653,9 @@ class DiskTier:
             checked.add_done_callback(
                 lambda f: _drop_landed(landed) if f.cancelled() else _drop_result(f)
             )
+            if _cancelled_by_pool(checked):
+                self.misses.inc(MissReason.ERROR)
+                return None
             raise
 
     def _read(self, key: ChunkKey, entry: _Entry, allocator: Allocator) -> MemoryObj | None:
@@ -754,6 +767,8 @@ class DiskTier:
         with self._lock:
             if self._index.get(key) is not entry or entry.state is not _State.READY:
                 return
+            if entry.replacing:
+                return  # read during the rename: the old file, which the rewrite checked
             self._mark_deleting_locked([key])
         self._delete(key, entry)
 
@@ -762,10 +777,15 @@ class DiskTier:
         if reason == "directory vanished":
             self._degrade(reason)
             return
+        if exc.errno in TRANSIENT_ERRNOS:
+            log.warning("disk read failed: chunk kept", key=key.to_str(), error=reason)
+            return
         log.warning("disk read failed: chunk dropped", key=key.to_str(), error=reason)
         with self._lock:
             if self._index.get(key) is not entry or entry.state is not _State.READY:
                 return
+            if entry.replacing:
+                return  # the rewrite deletes it if need be
             self._mark_deleting_locked([key])
         self._delete(key, entry)
 
@@ -775,10 +795,13 @@ class DiskTier:
         (already stored so, or the codec does not pay off), "absent", or "failed".
 
         Atomic for readers: the new file is written beside the old and renamed over it,
-        under the lock that deletes take, so a reader gets the old file or the new one,
-        whole, and a chunk removed meanwhile stays removed. The index gets a new entry
-        (the new size); a read that began on the old entry finds it replaced and, at
-        worst, misses once, never deletes the new file."""
+        so a reader gets the old file or the new one, whole. The index gets a new entry
+        (the new size) just before the rename, which runs outside the lock (never held
+        across I/O): lookups go on, and the entry is `replacing` until the rename ended,
+        so a delete meanwhile is left to the rewrite (a chunk removed meanwhile stays
+        removed, and no put of the key overlaps the rename). A read whose entry and file
+        do not match (one that began on the old entry, or read during the rename) misses
+        once, never deletes a file."""
         with self._lock:
             entry = self._index.get(key)
             if entry is None or entry.state is not _State.READY or self._closed:
@@ -805,15 +828,25 @@ class DiskTier:
             FILE_LAYOUT.pack_into(header, out)
             write_file(tmp, [out, memoryview(stored)], self.o_direct)
             size = FILE_LAYOUT.total_size(header)
+            fresh = _Entry(_State.READY, size, entry.shape, entry.dtype, entry.fmt)
             with self._lock:
-                if self._index.get(key) is not entry or entry.state is not _State.READY:
-                    os.unlink(tmp)
-                    return "absent"  # removed or evicted meanwhile: it stays so
+                gone = self._index.get(key) is not entry or entry.state is not _State.READY
+                if not gone:
+                    # In place before the rename, so a read that starts once the new file
+                    # is there finds the entry that matches it.
+                    fresh.pins, fresh.replacing = entry.pins, True
+                    self._index[key] = fresh  # keeps entry's place in the eviction order
+                    self._used += size - entry.size
+            if gone:
+                os.unlink(tmp)
+                return "absent"  # removed or evicted meanwhile: it stays so
+            try:
                 os.rename(tmp, self._file(key))
-                fresh = _Entry(_State.READY, size, entry.shape, entry.dtype, entry.fmt)
-                fresh.pins = entry.pins
-                self._index[key] = fresh
-                self._used += size - entry.size
+            except BaseException:
+                self._end_replacing(key, fresh, entry)
+                raise
+            if not self._end_replacing(key, fresh):
+                return "absent"  # removed during the rename: deleted
         except CorruptChunk as exc:
             self.misses.inc(MissReason.CHECKSUM)
             self._corrupt(key, entry, str(exc))
@@ -830,6 +863,21 @@ class DiskTier:
         self.stats.bytes_written.inc(size)
         self._update_gauges()
         return "rewritten"
+
+    def _end_replacing(self, key: ChunkKey, fresh: _Entry, old: _Entry | None = None) -> bool:
+        """A rewrite's rename ended; with old, it failed: old (its file is still there)
+        takes fresh's place back. False when the chunk was removed meanwhile: its file
+        is deleted now."""
+        with self._lock:
+            fresh.replacing = False
+            removed = fresh.state is _State.DELETING
+            if old is not None and not removed and self._index.get(key) is fresh:
+                old.pins = fresh.pins
+                self._index[key] = old
+                self._used += old.size - fresh.size
+        if removed:
+            self._delete(key, fresh)
+        return not removed
 
     # -- lookups, pins, management ----------------------------------------------------------
     def contains(self, key: ChunkKey, pin: bool = False) -> bool:
@@ -877,9 +925,9 @@ class DiskTier:
             e = self._index.get(key)
             if e is None or e.state is _State.DELETING or (e.pins and not force):
                 return False
-            writing = e.state is _State.WRITING
+            deferred = e.state is _State.WRITING or e.replacing
             self._mark_deleting_locked([key])
-        if not writing:  # a write in flight deletes its own file when it ends
+        if not deferred:  # a write or rename in flight deletes the file when it ends
             self._delete_async([(key, e)], evicted=False)
         return True
 
@@ -947,6 +995,13 @@ class _Landed:
     payload: memoryview
     n: int
     t0: float
+
+
+def _cancelled_by_pool(fut: concurrent.futures.Future) -> bool:
+    """Whether the CancelledError awaiting fut raised comes from fut's pool shutting
+    down (a miss), not from the awaiting task being cancelled (passed on)."""
+    task = asyncio.current_task()
+    return fut.cancelled() and (task is None or not task.cancelling())
 
 
 def _drop_landed(landed: _Landed | None) -> None:

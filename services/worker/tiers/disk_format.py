@@ -10,17 +10,22 @@ when read, the payload matches its checksum. Anything else is dropped: the cache
 serves wrong KV.
 
 File names derive from the key alone (`<ns id>-<hash hex>.kv`, see `ChunkKey.to_str`),
-never from a user string. A write goes to a temporary name first (`.<key>.<run>.tmp`,
+never from a user string. A write goes to a temporary name first (`.<key>.<n>.<run>.tmp`,
 hidden and ending in `.tmp`) and is renamed into place, so a crash never leaves a
-half-written file under a real name.
+half-written file under a real name. `n` numbers the writes of the process: two writes
+of one key (a put and a rewrite, two rewrites) never share a temporary file.
 """
 
 from __future__ import annotations
+
+import itertools
 
 from kvmesh.common.keys import ChunkKey
 
 CHUNK_SUFFIX = ".kv"
 TEMP_SUFFIX = ".tmp"
+
+_writes = itertools.count()  # next() is atomic: any thread may take a number
 
 
 def chunk_file_name(key: ChunkKey) -> str:
@@ -28,7 +33,8 @@ def chunk_file_name(key: ChunkKey) -> str:
 
 
 def temp_file_name(key: ChunkKey, run_id: str) -> str:
-    return f".{key.to_str()}.{run_id}{TEMP_SUFFIX}"
+    # Ends in `.<run>.tmp`: the re-index knows the running tier's own by that.
+    return f".{key.to_str()}.{next(_writes)}.{run_id}{TEMP_SUFFIX}"
 
 
 def key_of_file_name(name: str) -> ChunkKey | None:

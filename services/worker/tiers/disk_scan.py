@@ -5,7 +5,7 @@ exactly what a start would do. A directory holds:
 
 - chunk files (`<key>.kv`): kept when their header is valid, names the same key as the
   file name and the file is exactly header + payload long; otherwise deleted;
-- temporary files (`.<key>.<run>.tmp`): a write that never finished (the process died
+- temporary files (`.<key>.<n>.<run>.tmp`): a write that never finished (the process died
   mid-write); deleted, except the running tier's own;
 - anything else (the `.lock` file, files a person put there): left alone.
 

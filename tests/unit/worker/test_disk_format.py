@@ -50,6 +50,19 @@ def test_file_names_come_from_the_key_only() -> None:
     assert not is_temp_file_name(name)
 
 
+def test_every_write_gets_its_own_temporary_name(tmp_path: Path) -> None:
+    key = key_of(3)
+    names = [temp_file_name(key, "run1") for _ in range(3)]
+    assert len(set(names)) == 3  # a put and a rewrite of one key never share a file
+    for tmp in names:
+        assert tmp.startswith(".") and tmp.endswith(".run1.tmp")
+        (tmp_path / tmp).write_bytes(b"in flight")
+    dead = temp_file_name(key, "oldrun")
+    (tmp_path / dead).write_bytes(b"half")
+    # The running tier's own are left alone; another run's are deleted.
+    assert list_dir(str(tmp_path), own_run_id="run1").temps == [dead]
+
+
 # --- aligned I/O ----------------------------------------------------------------------------
 
 
@@ -159,7 +172,8 @@ def test_scan_sorts_oldest_first_and_finds_every_problem(tmp_path: Path) -> None
     names = [write_chunk(tmp_path, i, bytes([i]) * 100, 10**18 + (5 - i) * 10**9) for i in range(5)]
     (tmp_path / ".lock").write_text("1\n")
     (tmp_path / "notes.txt").write_text("a person's file")
-    (tmp_path / temp_file_name(key_of(9), "oldrun")).write_bytes(b"half")
+    dead = temp_file_name(key_of(9), "oldrun")
+    (tmp_path / dead).write_bytes(b"half")
     (tmp_path / temp_file_name(key_of(10), "mine")).write_bytes(b"in flight")
     # names[1]: truncated; names[2]: payload flipped; names[3]: under another key's name
     with open(tmp_path / names[1], "r+b") as f:
@@ -171,7 +185,7 @@ def test_scan_sorts_oldest_first_and_finds_every_problem(tmp_path: Path) -> None
     os.rename(tmp_path / names[3], tmp_path / chunk_file_name(key_of(33)))
 
     listing = list_dir(str(tmp_path), own_run_id="mine")
-    assert listing.temps == [temp_file_name(key_of(9), "oldrun")]
+    assert listing.temps == [dead]
     assert listing.ignored == ["notes.txt"]
     assert listing.chunks[0][0] == names[4]  # oldest first
     checked = {c[0]: check_file(str(tmp_path), *c) for c in listing.chunks}

@@ -1,10 +1,12 @@
 """DiskTier on its own: round trips, de-duplication, references, eviction, verified
-reads, restart and re-index, the directory lock, a vanished directory, and an event loop
-that is never blocked."""
+reads, restart and re-index, the directory lock, a vanished directory, an event loop
+that is never blocked, transient read errors, close during reads, and rewrites racing
+puts and removes."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import shutil
 import threading
@@ -17,6 +19,7 @@ import torch
 from kvtest.disk import MiB, chunk_files, expected_bytes, key_of, make_chunk, temp_files
 
 from kvmesh.common.chunk_codec import FILE_LAYOUT
+from kvmesh.common.codecs import make_codec
 from kvmesh.common.memory import HostMemoryPool, MemoryFormat
 from kvmesh.common.observability import Metrics
 from kvmesh.services.worker.tiers import disk as disk_mod
@@ -533,5 +536,328 @@ def test_metrics_share_the_engine_registry_labels(tmp_path: Path, pool: HostMemo
             'kvmesh_disk_corrupt_total{instance="i",rank="0"} 0.0',
         ):
             assert line in text, line
+    finally:
+        tier.close()
+
+
+def _hold_in(thread_name: str, fn):
+    """fn wrapped to stop, in the thread of that name only, before it runs, until
+    `release` is set; `reached` says it got there."""
+    reached, release = threading.Event(), threading.Event()
+
+    def wrapped(*args, **kw):
+        if threading.current_thread().name != thread_name:
+            return fn(*args, **kw)
+        reached.set()
+        release.wait(10)
+        return fn(*args, **kw)
+
+    return wrapped, reached, release
+
+
+def _hold_after(thread_name: str, fn):
+    """fn wrapped to stop, in threads whose name starts with thread_name, once it
+    returned, until `release` is set; `reached` says it got there."""
+    reached, release = threading.Event(), threading.Event()
+
+    def wrapped(*args, **kw):
+        result = fn(*args, **kw)
+        if threading.current_thread().name.startswith(thread_name):
+            reached.set()
+            release.wait(10)
+        return result
+
+    return wrapped, reached, release
+
+
+@pytest.mark.parametrize("err", ["EMFILE", "ENFILE", "ENOMEM", "EAGAIN", "EINTR", "ENOBUFS"])
+def test_transient_read_error_is_a_miss_that_keeps_the_chunk(
+    tier: DiskTier, pool: HostMemoryPool, monkeypatch: pytest.MonkeyPatch, err: str
+) -> None:
+    put(tier, pool, 0)
+    tier.flush(5)
+    code = getattr(errno, err)
+
+    def out_of_resources(path, bufs, direct):  # as open() fails with a full fd table
+        raise OSError(code, os.strerror(code), path)
+
+    real = disk_mod.read_file
+    monkeypatch.setattr(disk_mod, "read_file", out_of_resources)
+    assert read_ok(tier, pool, 0) is None
+    assert asyncio.run(tier.aget(key_of(0), pool)) is None
+    tier.flush(5)
+    assert metric(tier, "disk_io_errors_total", op="read") == 2
+    assert tier.misses.value("error") == 2
+    monkeypatch.setattr(disk_mod, "read_file", real)
+    # Kept: the file and its entry, served again once the condition passes.
+    assert (Path(tier.path) / chunk_file_name(key_of(0))).exists()
+    assert tier.contains(key_of(0)) and read_ok(tier, pool, 0)
+    assert pool.used_bytes == 0
+
+
+def test_read_error_of_the_file_drops_the_chunk(
+    tier: DiskTier, pool: HostMemoryPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    put(tier, pool, 0)
+    tier.flush(5)
+
+    def bad_sector(path, bufs, direct):
+        raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+
+    monkeypatch.setattr(disk_mod, "read_file", bad_sector)
+    assert read_ok(tier, pool, 0) is None
+    tier.flush(5)
+    assert not tier.contains(key_of(0)) and chunk_files(tier.path) == []
+    assert tier.used_bytes == 0 and pool.used_bytes == 0
+
+
+def test_close_during_aget_is_a_miss_not_a_cancellation(
+    tmp_path: Path, pool: HostMemoryPool
+) -> None:
+    tier = new_tier(tmp_path / "d", io_threads=1)
+    put(tier, pool, 0)
+    tier.flush(5)
+    gate = gate_all(tier, 1)  # the read stays queued until close() drops it
+
+    async def main() -> None:
+        task = asyncio.ensure_future(tier.aget(key_of(0), pool))
+        await asyncio.sleep(0.05)
+        threading.Timer(0.2, gate.set).start()
+        await asyncio.to_thread(tier.close)  # the engine shutting down
+        assert await task is None
+        assert not task.cancelled()
+
+    try:
+        asyncio.run(main())
+    finally:
+        gate.set()
+        tier.close()
+    assert tier.misses.value("error") == 1
+    assert pool.used_bytes == 0
+
+
+def test_check_pool_shutdown_during_aget_is_a_miss(tier: DiskTier, pool: HostMemoryPool) -> None:
+    put(tier, pool, 0)
+    tier.flush(5)
+    gate = gate_checks(tier)
+
+    async def main() -> None:
+        task = asyncio.ensure_future(tier.aget(key_of(0), pool))
+        deadline = time.monotonic() + 5
+        while tier._checks._work_queue.qsize() == 0:  # read, its check queued
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        tier._checks.shutdown(wait=False, cancel_futures=True)
+        assert await task is None
+        assert not task.cancelled()
+
+    try:
+        asyncio.run(main())
+    finally:
+        gate.set()
+    assert pool.used_bytes == 0  # the landed buffer went back
+
+
+def zero_chunk(tier: DiskTier, pool: HostMemoryPool, i: int) -> None:
+    """Chunk i as SIZE zero bytes: it compresses."""
+    obj = make_chunk(pool, i, SIZE)
+    obj.tensor.zero_()
+    tier.submit_put(key_of(i), obj)
+    obj.ref_down()
+
+
+def read_zeros(tier: DiskTier, pool: HostMemoryPool, i: int) -> bool | None:
+    obj = tier.get(key_of(i), pool)
+    if obj is None:
+        return None
+    try:
+        return obj.nbytes == SIZE and not obj.tensor.any()
+    finally:
+        obj.ref_down()
+
+
+def rewrite_in_thread(
+    tier: DiskTier, pool: HostMemoryPool, i: int
+) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+    codec = make_codec("zstd")
+    t = threading.Thread(
+        target=lambda: out.setdefault("r", tier.rewrite(key_of(i), codec, pool)), name="rewriter"
+    )
+    t.start()
+    return t, out
+
+
+def test_rewrite_and_put_of_one_key_never_share_a_temporary_file(
+    tmp_path: Path, pool: HostMemoryPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = new_tier(tmp_path / "d", io_threads=1, retry_s=30)
+    try:
+        zero_chunk(tier, pool, 0)
+        tier.flush(5)
+        real = disk_mod.write_file
+        # Both writers stop once their temporary file is written.
+        after_rewrite, rewrote, go_rewrite = _hold_after("rewriter", real)
+        after_both, put_wrote, go_put = _hold_after("kvmesh-disk-io", after_rewrite)
+        monkeypatch.setattr(disk_mod, "write_file", after_both)
+        t, out = rewrite_in_thread(tier, pool, 0)
+        assert rewrote.wait(5)
+        assert tier.remove(key_of(0), force=True)  # removed and stored again meanwhile
+        tier.flush(5)
+        zero_chunk(tier, pool, 0)
+        assert put_wrote.wait(5)
+        go_rewrite.set()
+        t.join(5)
+        go_put.set()
+        tier.flush(5)
+        assert out["r"] == "absent"
+        assert tier.degraded is None
+        assert read_zeros(tier, pool, 0)  # the put's file, whole
+        assert temp_files(tier.path) == []
+    finally:
+        tier.close()
+
+
+def test_rewrite_renames_outside_the_index_lock(
+    tier: DiskTier, pool: HostMemoryPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for i in range(2):
+        zero_chunk(tier, pool, i)
+    tier.flush(5)
+    order = list(tier._policy)
+    slow_rename, renaming, go = _hold_in("rewriter", os.rename)
+    monkeypatch.setattr(os, "rename", slow_rename)  # a rename stuck on a slow filesystem
+    t, out = rewrite_in_thread(tier, pool, 0)
+    try:
+        assert renaming.wait(5)
+        looked: dict = {}
+        lookup = threading.Thread(target=lambda: looked.setdefault("hit", tier.contains(key_of(1))))
+        lookup.start()
+        lookup.join(2)
+        assert looked.get("hit") is True  # another key's lookup did not wait for the rename
+        assert tier.contains(key_of(0))  # still there for lookups
+    finally:
+        go.set()
+        t.join(5)
+    assert out["r"] == "rewritten"
+    assert read_zeros(tier, pool, 0) and read_zeros(tier, pool, 1)
+    assert len(tier) == 2 and list(tier._policy) == order  # its eviction place is kept
+    files = Path(tier.path)
+    assert tier.used_bytes == sum((files / n).stat().st_size for n in chunk_files(files))
+    assert tier.used_bytes < 2 * FILE
+
+
+def test_read_during_a_rewrites_rename_is_a_miss_not_a_delete(
+    tier: DiskTier, pool: HostMemoryPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    zero_chunk(tier, pool, 0)
+    tier.flush(5)
+    slow_rename, renaming, go = _hold_in("rewriter", os.rename)
+    monkeypatch.setattr(os, "rename", slow_rename)
+    t, out = rewrite_in_thread(tier, pool, 0)
+    try:
+        assert renaming.wait(5)
+        # The new entry (compressed size) against the old, raw file: a miss.
+        assert read_zeros(tier, pool, 0) is None
+        assert metric(tier, "disk_gets_total", result="hit") == 0
+    finally:
+        go.set()
+        t.join(5)
+    assert out["r"] == "rewritten"  # neither file was taken for a corrupt one
+    assert read_zeros(tier, pool, 0) and len(tier) == 1
+
+
+def test_chunk_removed_during_a_rewrites_rename_stays_removed(
+    tier: DiskTier, pool: HostMemoryPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    zero_chunk(tier, pool, 0)
+    tier.flush(5)
+    slow_rename, renaming, go = _hold_in("rewriter", os.rename)
+    monkeypatch.setattr(os, "rename", slow_rename)
+    t, out = rewrite_in_thread(tier, pool, 0)
+    try:
+        assert renaming.wait(5)
+        assert tier.remove(key_of(0))
+    finally:
+        go.set()
+        t.join(5)
+    tier.flush(5)
+    assert out["r"] == "absent"
+    assert chunk_files(tier.path) == [] and temp_files(tier.path) == []
+    assert len(tier) == 0 and tier.used_bytes == 0 and len(list(tier._policy)) == 0
+    zero_chunk(tier, pool, 0)  # and the key can be stored again
+    tier.flush(5)
+    assert read_zeros(tier, pool, 0)
+
+
+def test_failed_rewrite_rename_keeps_the_old_file(
+    tier: DiskTier, pool: HostMemoryPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    zero_chunk(tier, pool, 0)
+    tier.flush(5)
+    real = os.rename
+
+    def failing(src, dst):
+        if threading.current_thread().name == "rewriter":
+            raise OSError(errno.EIO, os.strerror(errno.EIO), src)
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "rename", failing)
+    t, out = rewrite_in_thread(tier, pool, 0)
+    t.join(5)
+    assert out["r"] == "failed"
+    assert temp_files(tier.path) == []
+    assert len(tier) == 1 and tier.used_bytes == FILE  # the old entry, raw
+    assert read_zeros(tier, pool, 0)
+
+
+def test_reindex_deletes_a_misplaced_file_by_its_name(
+    tmp_path: Path, pool: HostMemoryPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = tmp_path / "d"
+    first = new_tier(d)
+    put(first, pool, 7)
+    first.flush(5)
+    first.close()
+    misplaced = d / chunk_file_name(key_of(1))  # key 7's file under key 1's name
+    shutil.copyfile(d / chunk_file_name(key_of(7)), misplaced)
+    os.utime(misplaced, ns=(time.time_ns() + 10**9,) * 2)  # after key 7's, as copied later
+
+    again = new_tier(d)
+    try:
+        assert not misplaced.exists()  # deleted although key 7 is indexed
+        assert not again.contains(key_of(1)) and read_ok(again, pool, 7)
+        assert again.used_bytes == FILE
+    finally:
+        again.close()
+
+
+def test_reindex_never_deletes_a_put_that_landed_during_the_scan(
+    tmp_path: Path, pool: HostMemoryPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = tmp_path / "d"
+    first = new_tier(d)
+    put(first, pool, 7)
+    first.flush(5)
+    first.close()
+    os.rename(d / chunk_file_name(key_of(7)), d / chunk_file_name(key_of(1)))  # misplaced
+    holder: dict = {}
+    started = threading.Event()
+    real = disk_mod.check_files
+
+    def check_then_put(path, part):
+        out = list(real(path, part))  # the scan saw the misplaced file
+        started.wait(5)
+        put(holder["tier"], pool, 1)  # meanwhile the engine stores key 1
+        holder["tier"].flush(5)
+        return out
+
+    monkeypatch.setattr(disk_mod, "check_files", check_then_put)
+    holder["tier"] = tier = DiskTier(d, 64 * MiB, io_threads=2)
+    started.set()
+    try:
+        assert tier.wait_indexed(10)
+        assert (d / chunk_file_name(key_of(1))).exists()
+        assert tier.contains(key_of(1)) and read_ok(tier, pool, 1)
     finally:
         tier.close()
