@@ -122,6 +122,12 @@ def _scalar(head: bytes, pos: int) -> tuple[object, int]:
     return _CUT, pos
 
 
+def rid_at_head(raw: Buffer) -> int:
+    """The rid a message's first frame starts with (0 when it has none to read), read
+    from its first bytes only: for the error reply to a message refused undecoded."""
+    return _rid_of(_peek(raw))
+
+
 def _rid_of(arr: list | None) -> int:
     if arr is not None and len(arr) > 1:
         rid = arr[1]

@@ -48,6 +48,7 @@ from kvmesh.common.transport.controller_client import (
     ControllerUnavailable,
 )
 from kvmesh.common.transport.curve import CurveGuard, CurveKeys
+from kvmesh.common.transport.frames import FrameReader
 from kvmesh.common.transport.router_loop import bind_tcp
 from kvmesh.services.lookup.follower import IndexFollower
 from kvmesh.services.lookup.workers import WorkerPool
@@ -210,12 +211,13 @@ class LookupService:
     # -- the ROUTER loop ----------------------------------------------------------------
     async def _serve(self) -> None:
         assert self._sock is not None
+        reader = FrameReader(self._sock, 2)
         while True:
-            frames = await self._sock.recv_multipart(copy=False)
+            frames, dropped = await reader.recv()
             if len(frames) < 2:
                 continue  # nothing to answer to
             peer = frames[0].bytes
-            if len(frames) != 2:
+            if dropped:
                 err = proto.error_reply(0, ErrorCode.BAD_MESSAGE, "one frame expected")
                 await self._send(peer, err, "invalid")
                 continue

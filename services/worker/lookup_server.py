@@ -29,12 +29,16 @@ import zmq.asyncio
 
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import lookup as proto
+from kvmesh.common.protocol import wire
 from kvmesh.common.transport.curve import CurveGuard
+from kvmesh.common.transport.frames import FrameReader
 
 if TYPE_CHECKING:
     from kvmesh.services.worker.engine import KVEngine
 
 log = get_logger(__name__)
+
+MAX_FRAMES = 2  # routing id and the request
 
 
 class LookupServerError(RuntimeError):
@@ -188,17 +192,23 @@ class LookupServer:
         loop: asyncio.AbstractEventLoop,
         pool: concurrent.futures.Executor,
     ) -> None:
+        reader = FrameReader(sock, MAX_FRAMES)
         while True:
-            frames = await sock.recv_multipart()
+            frames, dropped = await reader.recv()
             if len(frames) < 2:
                 continue  # no routing id and message: nothing to answer
-            # Off the loop: a lookup may ask the remote tier, whose calls run on this
-            # very loop (the engine's) and would otherwise be skipped or deadlock.
-            reply = await loop.run_in_executor(pool, self.handle, frames[1:])
+            if dropped:
+                problem = f"expected 1 frame, got {len(frames) + dropped - 1}"
+                rid = wire.rid_at_head(frames[1].buffer)
+                reply = proto.error_reply(rid, proto.ErrorCode.BAD_MESSAGE, problem)
+            else:
+                # Off the loop: a lookup may ask the remote tier, whose calls run on this
+                # very loop (the engine's) and would otherwise be skipped or deadlock.
+                reply = await loop.run_in_executor(pool, self.handle, [f.bytes for f in frames[1:]])
             if isinstance(reply, proto.ErrorReply):
                 self._errors.labels(code=str(reply.code)).inc()
             try:
-                await sock.send_multipart([frames[0], proto.encode(reply)])
+                await sock.send_multipart([frames[0].bytes, proto.encode(reply)])
             except zmq.ZMQError as exc:  # the client went away meanwhile
                 log.debug("lookup reply not sent", error=str(exc))
 

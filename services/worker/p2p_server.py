@@ -33,8 +33,10 @@ from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import MemoryObj
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import p2p as proto
+from kvmesh.common.protocol import wire
 from kvmesh.common.transport.channel import TransferChannel
 from kvmesh.common.transport.curve import CurveGuard
+from kvmesh.common.transport.frames import FrameReader
 from kvmesh.services.worker.pd_receiver import PdRefused
 
 if TYPE_CHECKING:
@@ -142,13 +144,20 @@ class P2PServer:
                 self._release(lease)
 
     async def _serve(self, sock: zmq.asyncio.Socket) -> None:
+        # Routing id, header, and at most one frame a chunk (a PD push's layers).
+        reader = FrameReader(sock, proto.MAX_KEYS + 2)
         while True:
             # Frames, not copies: a PD push carries whole chunk layers (megabytes each),
-            # which copy=True would copy once more on the loop before the push does.
-            frames = await sock.recv_multipart(copy=False)
+            # which a copy would copy once more on the loop before the push does.
+            frames, dropped = await reader.recv()
             if len(frames) < 2:
                 continue  # no routing id and message: nothing to answer
-            reply, objs = await self.handle([f.buffer for f in frames[1:]])
+            if dropped:
+                problem = f"{len(frames) + dropped - 2} frames after the header"
+                rid = wire.rid_at_head(frames[1].buffer)
+                reply, objs = proto.error_reply(rid, proto.ErrorCode.BAD_MESSAGE, problem), []
+            else:
+                reply, objs = await self.handle([f.buffer for f in frames[1:]])
             if isinstance(reply, proto.ErrorReply):
                 self._errors.labels(code=str(reply.code)).inc()
             await self._send(sock, frames[0].bytes, reply, objs)

@@ -104,3 +104,24 @@ def test_lease_ids_are_random_not_counted(sock) -> None:
             assert proto.decode_reply(sock.recv_multipart()) == proto.ReleaseChunksReply(rid, True)
     finally:
         e.close()
+
+
+def test_a_message_of_more_frames_than_any_request_has_is_refused(sock) -> None:
+    """ZMQ bounds a frame's size, not a message's frame count: past a push's one frame a
+    chunk, the frames are read only to be dropped, and the request is refused by rid."""
+    e = engine("zmq")
+    try:
+        keys, _ = store(e)
+        sock.connect(e.p2p_endpoint)
+        head = proto.encode(proto.ReadChunks(7, proto.PROTOCOL_VERSION, keys[:1]))
+        sock.send_multipart([head, *([b""] * 50_000)])
+        reply = proto.decode_reply(sock.recv_multipart())
+        assert isinstance(reply, proto.ErrorReply), reply
+        assert (reply.rid, reply.code) == (7, proto.ErrorCode.BAD_MESSAGE)
+        assert "50000 frames" in reply.message
+        sock.send(proto.encode(proto.ReadChunks(8, proto.PROTOCOL_VERSION, keys[:1])))
+        frames = sock.recv_multipart()
+        reply = proto.decode_reply(frames)
+        assert isinstance(reply, proto.ReadChunksReply) and len(frames) == 2
+    finally:
+        e.close()
