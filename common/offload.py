@@ -32,6 +32,11 @@ async def offload(
     try:
         return await asyncio.shield(work)
     except asyncio.CancelledError:
-        if abandoned is not None:
-            work.add_done_callback(abandoned)
+        work.add_done_callback(abandoned or _retrieve)
         raise
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    # Nobody awaits it any more: its failure is read here, not reported as never read.
+    if not fut.cancelled():
+        fut.exception()

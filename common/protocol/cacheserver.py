@@ -142,7 +142,9 @@ class DeleteValues(wire.Message, tag="mdelete"):
 class ListKeys(wire.Message, tag="list"):
     """One page of keys starting with prefix; cursor "" starts, and the reply's cursor
     continues (empty when done). Every key present for the whole listing is returned
-    exactly once; keys added or removed meanwhile may or may not be."""
+    exactly once; keys added or removed meanwhile may or may not be. A page may hold
+    fewer than limit keys, none even, before the end: the server looks at a bounded
+    number of keys per page."""
 
     rid: int
     prefix: str = ""

@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from kvmesh.common.memory import MemoryObj
-from kvmesh.common.protocol.p2p import ChunkMeta, HelloReply, Reply, Request
-from kvmesh.common.transport.peer_conn import PeerError, StuckTransfer
+from kvmesh.common.protocol.p2p import MAX_HEADER_BYTES, ChunkMeta, HelloReply, Reply, Request
+from kvmesh.common.transport.peer_conn import PeerConnections, PeerError, StuckTransfer
 
 if TYPE_CHECKING:
     from kvmesh.common.transport.curve import CurveKeys
@@ -127,19 +127,21 @@ def make_channel(
     """A channel by config value (auto|nixl|zmq). regions: (address, length) of the
     memory NIXL registers, the engine's L1 pool, served to peers and read into. curve:
     the CurveKeys its connections to peers use (None: plain)."""
-    from kvmesh.common.protocol.p2p import MAX_HEADER_BYTES
     from kvmesh.common.transport.channel_zmq import ZmqChannel
-    from kvmesh.common.transport.peer_conn import PeerConnections
 
     if kind == "zmq" or (kind == "auto" and not nixl_available()):
-        # No frame a peer sends is larger than the pool it lands in, plus a header.
-        most = sum(n for _, n in regions) + MAX_HEADER_BYTES if regions else -1
-        return ZmqChannel(PeerConnections(curve, max_frame=most))
+        return ZmqChannel(PeerConnections(curve, max_frame=peer_frame_bound(regions)))
     if kind not in ("auto", "nixl"):
         raise ValueError(f"unknown p2p channel {kind!r} (auto, nixl or zmq)")
     from kvmesh.common.transport.channel_nixl import NixlChannel
 
     return NixlChannel(name, regions, curve=curve)
+
+
+def peer_frame_bound(regions: Sequence[tuple[int, int]]) -> int:
+    """The largest frame a peer may send: no valid one is larger than the pool it lands
+    in, plus a header; -1 (any) without a pool."""
+    return sum(n for _, n in regions) + MAX_HEADER_BYTES if regions else -1
 
 
 def check_hello(reply: object) -> HelloReply:

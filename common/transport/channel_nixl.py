@@ -25,6 +25,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -33,7 +34,14 @@ from typing import TYPE_CHECKING, Any
 from kvmesh.common.memory import MemoryObj
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import p2p as proto
-from kvmesh.common.transport.channel import AllocFn, Landed, LandedFn, Piece, check_hello
+from kvmesh.common.transport.channel import (
+    AllocFn,
+    Landed,
+    LandedFn,
+    Piece,
+    check_hello,
+    peer_frame_bound,
+)
 from kvmesh.common.transport.channel_zmq import ZmqChannel
 from kvmesh.common.transport.chunk_regions import layer_regions
 from kvmesh.common.transport.peer_conn import (
@@ -92,9 +100,7 @@ class NixlChannel:
             self.agent.register_memory(self.agent.get_reg_descs([(a, n, 0, "")], "DRAM"))
             for a, n in regions
         ]
-        # No frame a peer sends is larger than this pool (a chunk) plus a header.
-        most = sum(n for _, n in regions) + proto.MAX_HEADER_BYTES
-        self._conns = PeerConnections(curve, max_frame=most)
+        self._conns = PeerConnections(curve, max_frame=peer_frame_bound(regions))
         self._zmq = ZmqChannel(self._conns)
         # Peer endpoint → its agent's name ("" = it speaks ZMQ only).
         self._agents: dict[str, str] = {}
@@ -141,8 +147,7 @@ class NixlChannel:
         """After a failure: the peer may have restarted behind the same endpoint, so
         hello again next time. A peer that refused one request (an ErrorReply) is
         alive and its connection kept, with the other requests waiting on it."""
-        if exc.code is None:
-            self._conns.drop(endpoint)
+        if exc.code is None and self._conns.drop(endpoint, exc.conn):
             self._agents.pop(endpoint, None)
 
     async def call(
@@ -189,26 +194,37 @@ class NixlChannel:
                     remote.append((addr + off, n, 0))
             regions.append((local, remote))
         loop = asyncio.get_running_loop()
+        stop = threading.Event()  # cancelled: no group starts, none is reported
+
+        def report(i: int) -> None:
+            if not stop.is_set():
+                on_written(i)
 
         def write_all() -> None:
             # One executor job for every group: the next WRITE starts the moment the
             # last one ends, with no hop through the loop in between.
             for i, (local, remote) in enumerate(regions):
+                if stop.is_set():
+                    return
                 self._transfer(peer, local, remote, deadline, "WRITE")
-                loop.call_soon_threadsafe(on_written, i)
+                loop.call_soon_threadsafe(report, i)
 
         job = loop.run_in_executor(self._pool, write_all)
         try:
             await asyncio.shield(job)
         except asyncio.CancelledError:
-            # A cancel does not stop the WRITE on its thread, into the peer's receive
-            # buffers: the caller frees them (CancelChunks) once this raises, so it
-            # raises only after the WRITE has ended (by its deadline at the latest).
+            # A cancel does not stop the WRITE in flight on its thread, into the peer's
+            # receive buffers: the caller frees them (CancelChunks) once this raises, so
+            # it raises only after that WRITE has ended (by its deadline at the latest).
+            stop.set()
             while not job.done():
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.wait([job])
-            if not job.cancelled():
-                job.exception()  # read: a failure after the cancel is no news
+            failure = None if job.cancelled() else job.exception()
+            if isinstance(failure, StuckTransfer):
+                # Still cancelled, but the caller must not free the buffers it may
+                # yet write into.
+                raise asyncio.CancelledError() from failure
             raise
 
     async def _read(

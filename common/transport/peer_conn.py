@@ -25,9 +25,14 @@ class PeerError(RuntimeError):
     """The peer did not answer in time, answered garbage, or said no: a miss. `code` is
     the peer's ErrorReply code when it said no (None otherwise)."""
 
-    def __init__(self, message: str, code: int | None = None) -> None:
+    def __init__(
+        self, message: str, code: int | None = None, conn: PeerConnection | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
+        # The connection that failed, so that dropping it after the failure does not
+        # drop a fresh one another request has opened to the same peer since.
+        self.conn = conn
 
 
 class StuckTransfer(PeerError):
@@ -72,7 +77,7 @@ class PeerConnection:
         Raises PeerError on timeout, an error reply, or a broken connection.
         """
         if self.broken:
-            raise PeerError(f"connection to {self.endpoint} is broken")
+            raise PeerError(f"connection to {self.endpoint} is broken", conn=self)
         if self._rx is None:
             self._rx = asyncio.create_task(self._receive())
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -85,11 +90,13 @@ class PeerConnection:
                     await self._sock.send(proto.encode(msg))
                 reply, payloads = await fut
         except TimeoutError:
-            self._break(PeerError(f"{self.endpoint} did not answer within {timeout_s:.3f}s"))
-            raise PeerError(f"{self.endpoint} did not answer within {timeout_s:.3f}s") from None
+            late = PeerError(f"{self.endpoint} did not answer within {timeout_s:.3f}s", conn=self)
+            self._break(late)
+            raise late from None
         except zmq.ZMQError as exc:
-            self._break(PeerError(str(exc)))
-            raise PeerError(f"send to {self.endpoint} failed: {exc}") from None
+            failed = PeerError(f"send to {self.endpoint} failed: {exc}", conn=self)
+            self._break(failed)
+            raise failed from None
         finally:
             self._pending.pop(msg.rid, None)
         if isinstance(reply, proto.ErrorReply):
@@ -113,7 +120,7 @@ class PeerConnection:
                 try:
                     reply = proto.decode_reply([f.buffer for f in frames])
                 except proto.MalformedMessage as exc:
-                    self._break(PeerError(f"bad reply from {self.endpoint}: {exc}"))
+                    self._break(PeerError(f"bad reply from {self.endpoint}: {exc}", conn=self))
                     return
                 fut = self._pending.get(reply.rid)
                 if fut is not None and not fut.done():
@@ -134,7 +141,7 @@ class PeerConnection:
             self._rx.cancel()
         # Failed, not cancelled: the requests' tasks were not cancelled, and their
         # callers handle a PeerError (a miss) but not a CancelledError.
-        self._break(PeerError(f"connection to {self.endpoint} closed"))
+        self._break(PeerError(f"connection to {self.endpoint} closed", conn=self))
         self._sock.close(0)
 
 
@@ -160,10 +167,17 @@ class PeerConnections:
             )
         return conn
 
-    def drop(self, endpoint: str) -> None:
-        conn = self._conns.pop(endpoint, None)
+    def drop(self, endpoint: str, failed: PeerConnection | None = None) -> bool:
+        """Close endpoint's connection (only if it is `failed`, when given: a newer one
+        stays); whether the current one went."""
+        conn = self._conns.get(endpoint)
+        if failed is not None and conn is not failed:
+            failed.close()
+            return False
         if conn is not None:
+            del self._conns[endpoint]
             conn.close()
+        return conn is not None
 
     def close(self) -> None:
         for conn in self._conns.values():

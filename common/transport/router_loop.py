@@ -194,9 +194,8 @@ class RouterLoop:
                     frames.append(frame)
                     self._more = frame.more
                 else:
-                    sock.recv(zmq.NOBLOCK)
+                    self._more = sock.recv(zmq.NOBLOCK, copy=False).more  # dropped
                     self._dropped += 1
-                    self._more = bool(sock.getsockopt(zmq.RCVMORE))
             if self._more:
                 break  # the rest next turn
             self._partial = None

@@ -191,13 +191,12 @@ class P2PServer:
         dropped with the reader's connection (however long that takes). The server's
         shutdown releases them if it comes first."""
         warn_at = time.monotonic() + SEND_WAIT_S
-        pause = 0.001
+        pause = 0.001  # pages back soon after a send; slower polls only past the warning
         while not tracker.done:
             if warn_at and time.monotonic() > warn_at:
                 log.error("zero-copy chunk frames not sent yet; pages kept until they are")
-                warn_at = 0.0
+                warn_at, pause = 0.0, 0.5
             await asyncio.sleep(pause)
-            pause = min(2 * pause, 0.5)
         for obj in self._unsent.pop(tracker, []):
             obj.ref_down()
 
@@ -208,7 +207,8 @@ class P2PServer:
         if frames and len(frames[0]) > proto.MAX_HEADER_BYTES:
             # Decoding it would hold the loop (and every transfer on it) for seconds.
             problem = f"header of {len(frames[0])} bytes, over {proto.MAX_HEADER_BYTES}"
-            return proto.error_reply(0, proto.ErrorCode.BAD_MESSAGE, problem), []
+            rid = wire.rid_at_head(frames[0])
+            return proto.error_reply(rid, proto.ErrorCode.BAD_MESSAGE, problem), []
         try:
             msg = proto.decode_request(frames)
         except proto.MalformedMessage as exc:

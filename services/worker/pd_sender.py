@@ -97,9 +97,10 @@ class PdSender:
                 # expiry rather than freed now for someone else's chunk.
                 await push.cancel()
             return 0
-        except BaseException:
+        except BaseException as exc:
             self._pushes["failed"].inc()
-            await push.cancel()
+            if not isinstance(exc.__cause__, StuckTransfer):  # as above
+                await push.cancel()
             raise
         finally:
             self.inflight -= 1

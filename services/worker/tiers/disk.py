@@ -683,6 +683,8 @@ class DiskTier:
             return None
         t0 = time.perf_counter()
         hdr = header_buffer()
+        # A rewrite renaming the file into place: the file opened may be the old one.
+        renaming = entry.replacing
         try:
             payload = chunk_bytes(obj)
             if entry.compressed:  # read into a scratch buffer, decoded into obj below
@@ -699,7 +701,7 @@ class DiskTier:
             return None
         # The header buffer is this I/O thread's, reused by its next read: the check,
         # on another thread, gets a copy (4 KiB).
-        return _Landed(key, entry, obj, memoryview(hdr.tobytes()), payload, n, t0)
+        return _Landed(key, entry, obj, memoryview(hdr.tobytes()), payload, n, t0, renaming)
 
     def _read_error(self, key: ChunkKey, exc: Exception) -> None:
         """A read that failed unexpectedly: a miss, whatever went wrong."""
@@ -715,8 +717,7 @@ class DiskTier:
             _, checksum = self._verify(key, entry, landed.hdr, landed.payload, landed.n, obj)
         except CorruptChunk as exc:
             obj.ref_down()
-            self.misses.inc(MissReason.CHECKSUM)
-            self._corrupt(key, entry, str(exc))
+            self._corrupt(key, entry, str(exc), landed.renaming)
             return None
         except Exception as exc:
             obj.ref_down()
@@ -760,16 +761,28 @@ class DiskTier:
             raise CorruptChunk("header does not match the index (shape, dtype, format or length)")
         return header, decode_chunk(header, payload, obj)
 
-    def _corrupt(self, key: ChunkKey, entry: _Entry, problem: str) -> None:
-        self.stats.corrupt.inc()
+    def _corrupt(self, key: ChunkKey, entry: _Entry, problem: str, renaming: bool = False) -> None:
+        """A read whose bytes failed their checks: the file is deleted, unless the file
+        read may not be the entry's (renaming: opened while a rewrite renamed the new
+        file into place; or the entry replaced or removed since), which is a plain miss,
+        not corruption."""
         self.stats.gets["miss"].inc()
-        log.warning("corrupt disk chunk deleted", key=key.to_str(), problem=problem)
         with self._lock:
-            if self._index.get(key) is not entry or entry.state is not _State.READY:
-                return
-            if entry.replacing:
-                return  # read during the rename: the old file, which the rewrite checked
-            self._mark_deleting_locked([key])
+            current = (
+                self._index.get(key) is entry
+                and entry.state is _State.READY
+                and not entry.replacing
+                and not renaming
+            )
+            if current:
+                self._mark_deleting_locked([key])
+        if not current:
+            self.misses.inc(MissReason.ERROR)
+            log.debug("disk read of a file being replaced missed", key=key.to_str())
+            return
+        self.misses.inc(MissReason.CHECKSUM)
+        self.stats.corrupt.inc()
+        log.warning("corrupt disk chunk deleted", key=key.to_str(), problem=problem)
         self._delete(key, entry)
 
     def _read_failed(self, key: ChunkKey, entry: _Entry, exc: OSError) -> None:
@@ -800,8 +813,8 @@ class DiskTier:
         across I/O): lookups go on, and the entry is `replacing` until the rename ended,
         so a delete meanwhile is left to the rewrite (a chunk removed meanwhile stays
         removed, and no put of the key overlaps the rename). A read whose entry and file
-        do not match (one that began on the old entry, or read during the rename) misses
-        once, never deletes a file."""
+        do not match (one that began on the old entry, or opened the file during the
+        rename) misses once, never deletes a file nor counts as corruption."""
         with self._lock:
             entry = self._index.get(key)
             if entry is None or entry.state is not _State.READY or self._closed:
@@ -848,7 +861,6 @@ class DiskTier:
             if not self._end_replacing(key, fresh):
                 return "absent"  # removed during the rename: deleted
         except CorruptChunk as exc:
-            self.misses.inc(MissReason.CHECKSUM)
             self._corrupt(key, entry, str(exc))
             return "failed"
         except Exception as exc:
@@ -995,6 +1007,7 @@ class _Landed:
     payload: memoryview
     n: int
     t0: float
+    renaming: bool  # opened while a rewrite renamed the entry's file into place
 
 
 def _cancelled_by_pool(fut: concurrent.futures.Future) -> bool:

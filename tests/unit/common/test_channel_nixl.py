@@ -120,3 +120,58 @@ def test_an_idle_agent_over_shared_memory_leaves_the_cpu_alone(pools, monkeypatc
         channel._pool.shutdown()
         channel._checker.shutdown()
         channel.agent = None
+
+
+@pytest.mark.parametrize("stuck", [False, True])
+def test_a_cancelled_write_ends_with_its_group_in_flight_and_reports_none(
+    pools, monkeypatch, stuck: bool
+) -> None:
+    """Cancelled while one group's WRITE runs: no later group starts, no group is
+    reported written (its commit would go out for a cancelled push), and the cancel
+    comes only once the WRITE has ended, carrying a StuckTransfer as its cause when NIXL
+    would not release it (the caller must then not free the peer's buffers)."""
+    import asyncio
+
+    a, _ = pools
+    ch = _channel("w-cancel", a)
+    started, go = threading.Event(), threading.Event()
+    ops: list[str] = []
+
+    def transfer(self, peer, local, remote, deadline, op="READ") -> None:
+        ops.append(op)
+        started.set()
+        assert go.wait(5)
+        if stuck:
+            raise channel_nixl.StuckTransfer("NIXL WRITE stuck")
+
+    async def peer_agent(self, endpoint, timeout_s) -> str:
+        return "peer"
+
+    monkeypatch.setattr(NixlChannel, "_transfer", transfer)
+    monkeypatch.setattr(NixlChannel, "_peer_agent", peer_agent)
+    obj = a.allocate((CHUNK,), torch.uint8, MemoryFormat.KV_2LTD)
+    written: list[int] = []
+
+    async def main() -> BaseException:
+        groups = [[(0, obj, 0)], [(1, obj, 0)], [(2, obj, 0)]]
+        task = asyncio.ensure_future(
+            ch.write_groups("tcp://x:1", 1, -1, groups, 5.0, written.append)
+        )
+        await asyncio.to_thread(started.wait, 5)
+        task.cancel()
+        await asyncio.sleep(0.1)
+        assert not task.done()  # the WRITE in flight has not ended
+        go.set()
+        try:
+            await asyncio.wait_for(task, 5)
+        except asyncio.CancelledError as exc:
+            return exc
+        raise AssertionError("not cancelled")
+
+    try:
+        exc = asyncio.run(main())
+        assert ops == ["WRITE"] and written == []
+        assert isinstance(exc.__cause__, channel_nixl.StuckTransfer) == stuck
+    finally:
+        obj.ref_down()
+        ch._pool.shutdown(wait=True)

@@ -767,6 +767,30 @@ def test_read_during_a_rewrites_rename_is_a_miss_not_a_delete(
     assert read_zeros(tier, pool, 0) and len(tier) == 1
 
 
+def test_a_read_opened_during_a_rename_and_checked_after_it_deletes_nothing(
+    tier: DiskTier, pool: HostMemoryPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The I/O thread opens the old file while the rename is held; the check (on the
+    # check pool, so usually later) runs once the rename has ended and the entry is no
+    # longer `replacing`: the mismatch is the rename's, not the disk's.
+    zero_chunk(tier, pool, 0)
+    tier.flush(5)
+    slow_rename, renaming, go = _hold_in("rewriter", os.rename)
+    monkeypatch.setattr(os, "rename", slow_rename)
+    t, out = rewrite_in_thread(tier, pool, 0)
+    try:
+        assert renaming.wait(5)
+        landed = tier._read_bytes(key_of(0), tier._index[key_of(0)], pool)
+        assert landed is not None
+    finally:
+        go.set()
+        t.join(5)
+    assert out["r"] == "rewritten"
+    assert tier._check(landed) is None  # a miss...
+    assert metric(tier, "disk_corrupt_total") == 0  # ...not corruption
+    assert len(chunk_files(tier.path)) == 1 and read_zeros(tier, pool, 0)
+
+
 def test_chunk_removed_during_a_rewrites_rename_stays_removed(
     tier: DiskTier, pool: HostMemoryPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -104,6 +104,31 @@ def test_closing_a_connection_fails_its_pending_requests_with_peer_error() -> No
     asyncio.run(_with_peer(silent, body))
 
 
+def test_dropping_a_failed_connection_leaves_a_newer_one() -> None:
+    """Requests failed with one connection each drop "their" connection: one that
+    another request has opened since to the same peer stays."""
+
+    async def silent(msg: proto.Request) -> None:
+        return None
+
+    async def body(endpoint: str) -> None:
+        conns = PeerConnections()
+        old = conns.get(endpoint)
+        pending = asyncio.create_task(old.request(proto.Hello(old.next_rid(), 1), 5.0))
+        await asyncio.sleep(0.1)
+        assert conns.drop(endpoint, old)  # the first failure drops it
+        with pytest.raises(PeerError) as failed:
+            await pending
+        assert failed.value.conn is old
+        new = conns.get(endpoint)  # another read opens a fresh one
+        assert new is not old
+        assert not conns.drop(endpoint, failed.value.conn)  # the late failure: no effect
+        assert conns.get(endpoint) is new and not new.broken
+        conns.close()
+
+    asyncio.run(_with_peer(silent, body))
+
+
 # -- the ZMQ channel ------------------------------------------------------------------------
 
 
