@@ -136,7 +136,6 @@ class PeerConnection:
                 fut.set_exception(exc)
 
     def close(self) -> None:
-        self.broken = True
         if self._rx is not None:
             self._rx.cancel()
         # Failed, not cancelled: the requests' tasks were not cancelled, and their

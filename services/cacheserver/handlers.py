@@ -194,22 +194,12 @@ class Handlers:
 
     async def fetch(self, key: str) -> Entry | None:
         """From memory, or from the spill within the request deadline (else a miss)."""
-        store = self.store
-        entry = store.get_memory(key)
-        reason = ""
-        if entry is None and store.needs_disk(key):
-            try:
-                async with asyncio.timeout(self.request_timeout_s):
-                    entry = await store.read_spilled(key)
-            except TimeoutError:
-                log.warning("spill read passed its deadline; answered as a miss")
-                reason = "timeout"
-        return self._counted(key, entry, reason)
+        return (await self.fetch_many([key]))[0]
 
     async def fetch_many(self, keys: list[str]) -> list[Entry | None]:
-        """Each key's entry as `fetch` gives it, but the spill reads go a few at a time
-        under one deadline for the whole batch: a key not read by then is a miss (a
-        deadline per key let one batch run for thousands of them)."""
+        """Each key's entry, from memory or from the spill, the spill reads a few at a
+        time under one deadline for the whole batch: a key not read by then is a miss
+        (a deadline per key let one batch run for thousands of them)."""
         store = self.store
         entries = [store.get_memory(k) for k in keys]
         unread = {i for i, e in enumerate(entries) if e is None and store.needs_disk(keys[i])}

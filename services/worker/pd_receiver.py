@@ -157,13 +157,14 @@ class PdReceiver:
             )
         if not 0 < msg.last_tokens <= e.config.chunk_size:
             raise PdRefused(proto.ErrorCode.BAD_MESSAGE, f"last_tokens {msg.last_tokens}")
-        if (
-            len(self._inbound) + len(self._held) >= MAX_TRANSFERS
-            or self._keys + len(keys) > MAX_KEYS_TRACKED
-        ):
+        if len(self._inbound) + len(self._held) >= MAX_TRANSFERS:
             raise PdRefused(
                 proto.ErrorCode.NO_ROOM,
                 f"{len(self._inbound)} allocations and {len(self._held)} transfers held",
+            )
+        if self._keys + len(keys) > MAX_KEYS_TRACKED:
+            raise PdRefused(
+                proto.ErrorCode.NO_ROOM, f"{self._keys} keys tracked, {len(keys)} more asked"
             )
         l1 = e.storage.l1
         # A chunk answered `have` stays pinned until the commit holds it: dropped or
@@ -199,7 +200,7 @@ class PdReceiver:
                 inbound.objs[i] = obj
                 inbound.pending.add(i)
                 self._pages += 1
-        except PdRefused:
+        except BaseException:  # a refusal, or a failure of the pool: nothing kept
             self._free(inbound)
             raise
         alloc_id = next(self._ids)
@@ -271,12 +272,12 @@ class PdReceiver:
         sums = await chunk_checksums(objs, max_threads=1 if inbound.pending else 0)
         l1 = self.engine.storage.l1
         events = self.engine.events
-        committed = rejected = 0
+        committed = corrupt = gone = 0
         present: list[ChunkKey] = []  # each pinned once, for the hold
         for (i, obj, checksum), got in zip(todo, sums, strict=True):
             assert obj is not None
             if got != checksum:
-                rejected += 1
+                corrupt += 1
                 obj.ref_down()
                 continue
             key = inbound.keys[i]
@@ -288,15 +289,20 @@ class PdReceiver:
                 events.record(KVEventKind.STORED, key.to_str(), l1.name)
                 self._owners.setdefault(key, 0)
             elif not l1.pin(key):  # the copy that was here has just gone
-                rejected += 1
+                gone += 1
                 continue
             committed += 1
             self._bytes.inc(nbytes)
             present.append(key)
+        rejected = corrupt + gone
         self._committed.inc(committed)
         self._rejected.inc(rejected)
-        if rejected:
-            log.warning("PD chunks failed their checksum", transfer=inbound.transfer_id, n=rejected)
+        if corrupt:
+            log.warning("PD chunks failed their checksum", transfer=inbound.transfer_id, n=corrupt)
+        if gone:
+            log.info(
+                "PD chunks gone from L1 before their commit", transfer=inbound.transfer_id, n=gone
+            )
         self._hold(inbound.transfer_id, present + have)
         self._gauges()
         return proto.CommitChunksReply(msg.rid, committed, rejected)

@@ -6,6 +6,7 @@ puts and removes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import shutil
@@ -688,6 +689,25 @@ def rewrite_in_thread(
     return t, out
 
 
+@contextlib.contextmanager
+def rename_held(
+    tier: DiskTier, pool: HostMemoryPool, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[dict]:
+    """Chunk 0 stored as zeros, then rewritten (zstd) on a thread held in its rename:
+    the body runs during the rename; the rewrite's result is out["r"] afterwards."""
+    zero_chunk(tier, pool, 0)
+    tier.flush(5)
+    slow_rename, renaming, go = _hold_in("rewriter", os.rename)
+    monkeypatch.setattr(os, "rename", slow_rename)
+    t, out = rewrite_in_thread(tier, pool, 0)
+    try:
+        assert renaming.wait(5)
+        yield out
+    finally:
+        go.set()
+        t.join(5)
+
+
 def test_rewrite_and_put_of_one_key_never_share_a_temporary_file(
     tmp_path: Path, pool: HostMemoryPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -750,19 +770,10 @@ def test_rewrite_renames_outside_the_index_lock(
 def test_read_during_a_rewrites_rename_is_a_miss_not_a_delete(
     tier: DiskTier, pool: HostMemoryPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    zero_chunk(tier, pool, 0)
-    tier.flush(5)
-    slow_rename, renaming, go = _hold_in("rewriter", os.rename)
-    monkeypatch.setattr(os, "rename", slow_rename)
-    t, out = rewrite_in_thread(tier, pool, 0)
-    try:
-        assert renaming.wait(5)
+    with rename_held(tier, pool, monkeypatch) as out:
         # The new entry (compressed size) against the old, raw file: a miss.
         assert read_zeros(tier, pool, 0) is None
         assert metric(tier, "disk_gets_total", result="hit") == 0
-    finally:
-        go.set()
-        t.join(5)
     assert out["r"] == "rewritten"  # neither file was taken for a corrupt one
     assert read_zeros(tier, pool, 0) and len(tier) == 1
 
@@ -773,18 +784,9 @@ def test_a_read_opened_during_a_rename_and_checked_after_it_deletes_nothing(
     # The I/O thread opens the old file while the rename is held; the check (on the
     # check pool, so usually later) runs once the rename has ended and the entry is no
     # longer `replacing`: the mismatch is the rename's, not the disk's.
-    zero_chunk(tier, pool, 0)
-    tier.flush(5)
-    slow_rename, renaming, go = _hold_in("rewriter", os.rename)
-    monkeypatch.setattr(os, "rename", slow_rename)
-    t, out = rewrite_in_thread(tier, pool, 0)
-    try:
-        assert renaming.wait(5)
+    with rename_held(tier, pool, monkeypatch) as out:
         landed = tier._read_bytes(key_of(0), tier._index[key_of(0)], pool)
         assert landed is not None
-    finally:
-        go.set()
-        t.join(5)
     assert out["r"] == "rewritten"
     assert tier._check(landed) is None  # a miss...
     assert metric(tier, "disk_corrupt_total") == 0  # ...not corruption
@@ -794,17 +796,8 @@ def test_a_read_opened_during_a_rename_and_checked_after_it_deletes_nothing(
 def test_chunk_removed_during_a_rewrites_rename_stays_removed(
     tier: DiskTier, pool: HostMemoryPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    zero_chunk(tier, pool, 0)
-    tier.flush(5)
-    slow_rename, renaming, go = _hold_in("rewriter", os.rename)
-    monkeypatch.setattr(os, "rename", slow_rename)
-    t, out = rewrite_in_thread(tier, pool, 0)
-    try:
-        assert renaming.wait(5)
+    with rename_held(tier, pool, monkeypatch) as out:
         assert tier.remove(key_of(0))
-    finally:
-        go.set()
-        t.join(5)
     tier.flush(5)
     assert out["r"] == "absent"
     assert chunk_files(tier.path) == [] and temp_files(tier.path) == []

@@ -189,6 +189,22 @@ def test_a_refused_allocation_keeps_no_pin_on_its_have_chunks(decoder) -> None:
     assert wait_for(lambda: decoder.pool.used_pages == 0)
 
 
+def test_an_allocation_the_pool_fails_keeps_no_pin_on_its_have_chunks(decoder, monkeypatch) -> None:
+    receive(decoder, "A", seed=7, n_chunks=2)
+    keys = alloc_msg(decoder, 7, 2).keys + alloc_msg(decoder, 31, 2).keys
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("pool closed")
+
+    monkeypatch.setattr(decoder.pool, "allocate", broken)
+    with pytest.raises(RuntimeError, match="pool closed"):
+        alloc(decoder, alloc_msg(decoder, 7, 2, keys=keys))
+    monkeypatch.undo()
+    assert decoder.pd_receiver.inflight == 0 and decoder.pd_receiver._keys == 2  # A's hold
+    decoder.release_lookup(hold_id("A"))
+    assert wait_for(lambda: decoder.pool.used_pages == 0)  # no pin kept A's chunks
+
+
 @pytest.mark.parametrize("deadline", [float("nan"), float("inf"), float("-inf")])
 def test_a_deadline_that_is_not_a_number_is_refused(decoder, deadline: float) -> None:
     msg = alloc_msg(decoder, 8, 3, deadline=deadline)
