@@ -170,6 +170,10 @@ class DiskTier:
         self._index: dict[ChunkKey, _Entry] = {}
         self._lock = threading.Lock()
         self._used = 0  # bytes of every entry, WRITING and DELETING included
+        # Chunks whose file could not be deleted (EROFS, EACCES): no longer served, but
+        # their bytes stay in `_used`, so the directory keeps to max_size; tried again
+        # when the tier recovers.
+        self._stuck: dict[ChunkKey, int] = {}
         self._ready = 0  # READY entries
         self._pending_puts = 0
         self._closed = False
@@ -388,17 +392,49 @@ class DiskTier:
             pass
         except OSError as exc:
             self.stats.io_errors["delete"].inc()
-            log.debug("disk delete failed", key=key.to_str(), error=str(exc))
+            self._forget(key, entry, stuck=True)
+            self._degrade(self._describe(exc, "delete"))
+            return
         self._forget(key, entry)
 
-    def _forget(self, key: ChunkKey, entry: _Entry) -> None:
+    def _forget(self, key: ChunkKey, entry: _Entry, stuck: bool = False) -> None:
         with self._lock:
             if self._index.get(key) is entry:
                 del self._index[key]
-                self._used -= entry.size
+                if stuck:
+                    self._stuck[key] = entry.size
+                else:
+                    self._used -= entry.size
                 if entry.state is _State.READY:
                     self._policy.on_remove(key)
                     self._ready -= 1
+        self._update_gauges()
+
+    def _delete_stuck(self) -> None:
+        """Try again to delete the files an earlier delete could not."""
+        with self._lock:
+            if not self._stuck:
+                return
+            # A placeholder keeps puts of the key away while its file goes.
+            held = {
+                key: _Entry(_State.DELETING, 0, (), torch.uint8, MemoryFormat.BINARY)
+                for key in self._stuck
+                if key not in self._index
+            }
+            self._index.update(held)
+        for key, holder in held.items():
+            try:
+                os.unlink(self._file(key))
+                gone = True
+            except FileNotFoundError:
+                gone = True
+            except OSError:
+                gone = False
+            with self._lock:
+                if self._index.get(key) is holder:
+                    del self._index[key]
+                if gone:
+                    self._used -= self._stuck.pop(key, 0)
         self._update_gauges()
 
     # -- put --------------------------------------------------------------------------------
@@ -502,6 +538,7 @@ class DiskTier:
         removed = False
         with self._lock:
             self._pending_puts -= 1
+            self._used -= self._stuck.pop(key, 0)  # the rename replaced that file
             if probe:
                 self._probing = False
             # A compressed chunk took less than the room reserved for it.
@@ -549,6 +586,8 @@ class DiskTier:
                     self._policy.on_remove(key)
                     self._used -= _e.size
                 self._ready -= len(lost)
+                self._used -= sum(self._stuck.values())
+                self._stuck.clear()
         self.stats.degraded.set(1)
         if first:
             log.warning(
@@ -564,6 +603,7 @@ class DiskTier:
     def _recover(self) -> None:
         with self._lock:
             reason, self._degraded = self._degraded, None
+        self._delete_stuck()
         if reason is not None:
             self.stats.degraded.set(0)
             log.info(
@@ -991,6 +1031,7 @@ class DiskTier:
             self._lock_fd = None
         with self._lock:
             self._index.clear()
+            self._stuck.clear()
             self._policy = make_policy(self._policy_name)
             self._used = self._ready = 0
         log.info("disk tier closed", path=self.path)

@@ -487,6 +487,47 @@ def test_vanished_directory_degrades_then_recovers(tmp_path: Path, pool: HostMem
     assert pool.used_bytes == 0
 
 
+def test_a_file_that_cannot_be_deleted_keeps_its_bytes_counted(
+    tmp_path: Path, pool: HostMemoryPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An eviction whose unlink fails (a read-only remount): the chunk is no longer
+    served, its bytes still count against max_size, the tier degrades; once it recovers
+    the file goes and its bytes with it."""
+    tier = new_tier(tmp_path / "d", max_size=3 * FILE, retry_s=0.2)
+    stuck = os.path.join(tier.path, chunk_file_name(key_of(0)))
+    fail = threading.Event()
+    unlink = os.unlink
+
+    def failing_unlink(path, *a, **kw):
+        if fail.is_set() and os.fspath(path) == stuck:
+            raise OSError(errno.EROFS, "Read-only file system")
+        return unlink(path, *a, **kw)
+
+    monkeypatch.setattr(disk_mod.os, "unlink", failing_unlink)
+    try:
+        for i in range(3):
+            put(tier, pool, i)
+            tier.flush(5)
+        fail.set()
+        put(tier, pool, 3)  # evicts 0, whose file stays
+        tier.flush(5)
+        assert not tier.contains(key_of(0)) and read_ok(tier, pool, 0) is None
+        assert chunk_file_name(key_of(0)) in chunk_files(tier.path)
+        assert tier.used_bytes == 4 * FILE == FILE * len(chunk_files(tier.path))
+        assert tier.degraded is not None and "EROFS" in tier.degraded
+        assert metric(tier, "disk_io_errors_total", op="delete") == 1
+        fail.clear()
+        time.sleep(0.25)
+        put(tier, pool, 4)  # the probe succeeds: the stuck file goes
+        tier.flush(5)
+        assert tier.degraded is None
+        assert chunk_file_name(key_of(0)) not in chunk_files(tier.path)
+        assert tier.used_bytes == FILE * len(chunk_files(tier.path)) <= 3 * FILE
+        assert read_ok(tier, pool, 4)
+    finally:
+        tier.close()
+
+
 def test_close_drops_queued_puts_and_returns_their_buffers(
     tmp_path: Path, pool: HostMemoryPool
 ) -> None:
