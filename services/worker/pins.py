@@ -8,9 +8,9 @@ deadline.
 
 from __future__ import annotations
 
-import heapq
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 
 from kvmesh.common.observability import get_logger
@@ -27,17 +27,17 @@ class LookupPins:
         self._unpin = unpin
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
-        self._held: dict[str, tuple[float, list[Hashable]]] = {}
-        self._deadlines: list[tuple[float, str]] = []  # heap; stale entries skipped
+        # Oldest deadline first: every hold gets the same timeout, so holding (again)
+        # moves a lookup to the end and the expired ones are always at the front.
+        self._held: OrderedDict[str, tuple[float, list[Hashable]]] = OrderedDict()
 
     def hold(self, lookup_id: str, keys: Sequence[Hashable]) -> None:
         """Record pins already taken for lookup_id; a second lookup with the same id
         replaces the first (its pins are released)."""
-        deadline = time.monotonic() + self._timeout_s
         with self._lock:
+            deadline = time.monotonic() + self._timeout_s
             old = self._held.pop(lookup_id, None)
             self._held[lookup_id] = (deadline, list(keys))
-            heapq.heappush(self._deadlines, (deadline, lookup_id))
         if old:
             self._unpin(old[1])
 
@@ -56,12 +56,12 @@ class LookupPins:
         now = time.monotonic() if now is None else now
         expired: list[tuple[str, list[Hashable]]] = []
         with self._lock:
-            while self._deadlines and self._deadlines[0][0] <= now:
-                deadline, lookup_id = heapq.heappop(self._deadlines)
-                entry = self._held.get(lookup_id)
-                # A released or re-issued lookup leaves a stale heap entry behind.
-                if entry is not None and entry[0] == deadline:
-                    expired.append((lookup_id, self._held.pop(lookup_id)[1]))
+            while self._held:
+                lookup_id, (deadline, keys) = next(iter(self._held.items()))
+                if deadline > now:
+                    break
+                del self._held[lookup_id]
+                expired.append((lookup_id, keys))
         for lookup_id, keys in expired:
             # Its retrieve never came (aborted, or computed by the engine itself).
             log.debug("lookup pins expired", lookup_id=lookup_id, chunks=len(keys))
@@ -72,7 +72,6 @@ class LookupPins:
         with self._lock:
             held = [keys for _, keys in self._held.values()]
             self._held.clear()
-            self._deadlines.clear()
         for keys in held:
             self._unpin(keys)
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import tracemalloc
 
 import pytest
 
+from kvmesh.services.worker import pins as pins_module
 from kvmesh.services.worker.events import KVEventBuffer, KVEventKind
 from kvmesh.services.worker.loop_thread import LoopThread
 from kvmesh.services.worker.pins import LookupPins
@@ -56,6 +58,24 @@ def test_expiry_and_release_all() -> None:
     pins.hold("c", ["z"])
     pins.release_all()
     assert sorted(rec.unpinned) == ["x", "y", "z"]
+
+
+def test_released_lookups_leave_nothing_behind() -> None:
+    """Every request's lookup holds and its retrieve releases: a busy scheduler does
+    that thousands of times a second, so nothing of a released lookup may stay until
+    its deadline."""
+    pins = LookupPins(Recorder(), timeout_s=3600)
+    only_pins = [tracemalloc.Filter(True, pins_module.__file__)]
+    tracemalloc.start()
+    try:
+        for i in range(50_000):
+            pins.hold(f"req-{i}", ["k"])
+            pins.release(f"req-{i}")
+        held = tracemalloc.take_snapshot().filter_traces(only_pins)
+    finally:
+        tracemalloc.stop()
+    assert len(pins) == 0
+    assert sum(t.size for t in held.traces) < 64 * 1024
 
 
 def test_event_buffer_sequence_and_bound() -> None:
