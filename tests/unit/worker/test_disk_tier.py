@@ -784,7 +784,7 @@ def test_rewrite_renames_outside_the_index_lock(
 ) -> None:
     for i in range(2):
         zero_chunk(tier, pool, i)
-    tier.flush(5)
+        tier.flush(5)  # one at a time: two I/O threads could land them in either order
     order = list(tier._policy)
     slow_rename, renaming, go = _hold_in("rewriter", os.rename)
     monkeypatch.setattr(os, "rename", slow_rename)  # a rename stuck on a slow filesystem
