@@ -288,15 +288,30 @@ class KVEngine:
         period = max(0.05, min(1.0, self.config.pin_timeout_s / 4))
         while True:
             await asyncio.sleep(period)
-            self.pins.expire()
-            if self.pd_receiver is not None:
-                self.pd_receiver.expire()
-                self.pd_receiver.sweep()
-            self.stats.pinned_lookups.set(len(self.pins))
+            try:
+                self.pins.expire()
+                if self.pd_receiver is not None:
+                    self.pd_receiver.expire()
+                    self.pd_receiver.sweep()
+                self.stats.pinned_lookups.set(len(self.pins))
+            except Exception:
+                # One bad pass must not end the task: no pin would ever expire again.
+                log.exception("pin expiry pass failed")
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"engine {self.instance_id}/{self.rank} is closed")
+
+    @staticmethod
+    def _check_slots(tokens: Tokens, slot_mapping: torch.Tensor) -> None:
+        # The copier moves only the slots it is given: with too few, a stored chunk's
+        # tail would be a reused page's old bytes, and a load would report unwritten
+        # tokens as loaded.
+        if slot_mapping.numel() < len(tokens):
+            raise ValueError(
+                f"slot_mapping has {slot_mapping.numel()} slots for {len(tokens)} tokens: "
+                "it needs one slot per token"
+            )
 
     def register_kv_caches(
         self, kv_caches: Sequence[torch.Tensor] | torch.Tensor | dict[str, torch.Tensor]
@@ -365,6 +380,7 @@ class KVEngine:
         that is already cached (a multiple of the chunk size). Returns tokens stored.
         """
         self._check_open()
+        self._check_slots(tokens, slot_mapping)
         t0 = time.perf_counter()
         self.stats.requests["store"].inc()
         self.stats.tokens_requested["store"].inc(len(tokens))
@@ -550,6 +566,7 @@ class KVEngine:
         chunk no tier holds. Releases the pins of lookup_id.
         """
         self._check_open()
+        self._check_slots(tokens, slot_mapping)
         t0 = time.perf_counter()
         self.stats.requests["retrieve"].inc()
         self.stats.tokens_requested["retrieve"].inc(len(tokens))
@@ -633,6 +650,7 @@ class KVEngine:
     ) -> Generator[int, None, int]:
         """Store layer by layer: call next() after each layer's KV is in the paged
         cache; the call after the last layer commits and returns the tokens stored."""
+        self._check_slots(tokens, slot_mapping)  # here: a generator would raise only at next()
         return layerwise.store_layers(self, tokens, slot_mapping, mask, tenant)
 
     def retrieve_layer(
@@ -646,6 +664,7 @@ class KVEngine:
     ) -> Generator[torch.Tensor, None, torch.Tensor]:
         """Load layer by layer: each next() loads one more layer (yielding the mask of
         tokens being loaded); the call after the last layer returns that mask."""
+        self._check_slots(tokens, slot_mapping)
         return layerwise.retrieve_layers(self, tokens, slot_mapping, mask, lookup_id, tenant)
 
     # -- prefetch ---------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 from kvmesh.common.observability import get_logger
 
 if TYPE_CHECKING:
-    from kvmesh.services.worker.engine import KVEngine
+    from kvmesh.services.worker.engine import Chunk, KVEngine
 
 log = get_logger(__name__)
 
@@ -42,10 +42,20 @@ def store_layers(
             pending = [
                 (start, end, key, obj) for (start, end, key), obj in zip(todo, objs, strict=True)
             ]
-        else:  # what can be freed now is too little: one at a time, waiting for pages
+        else:
+            # Too little can be freed now: a page at a time, evicting but never waiting.
+            # The pages this store holds come back only when it commits, so a wait would
+            # stall the forward pass for alloc_timeout_s on pages it holds itself.
+            l1, dtype, fmt = engine.storage.l1, engine.layout.dtype, engine.chunk_format
             for start, end, key in todo:
-                obj = engine._new_chunk_obj_or_stop(end - start, "layerwise store truncated")
+                obj = l1.try_allocate(engine._chunk_shape(end - start), dtype, fmt)
                 if obj is None:
+                    engine.stats.alloc_failures.inc()
+                    log.warning(
+                        "layerwise store truncated: no free or evictable page",
+                        chunks=len(pending),
+                        of=len(todo),
+                    )
                     break
                 pending.append((start, end, key, obj))
     else:
@@ -89,6 +99,10 @@ def retrieve_layers(
     engine.stats.tokens_requested["retrieve"].inc(len(tokens))
     loaded = torch.zeros(len(tokens), dtype=torch.bool)
     chunks = engine.chunks(tokens, mask, tenant)
+    if engine._mla is not None:
+        # MLA across ranks: only rank 0 holds the KV, so the whole load is broadcast
+        # at the first layer, and the other layers' steps have nothing left to do.
+        return (yield from _retrieve_mla(engine, chunks, slot_mapping, loaded, lookup_id, t0))
     objs, sources = engine.storage.get_prefix([k for _, _, k in chunks])
     usable = []
     for (start, end, _), obj, source in zip(chunks, objs, sources, strict=False):
@@ -113,6 +127,26 @@ def retrieve_layers(
     finally:
         for obj in objs:
             obj.ref_down()
+        if lookup_id is not None:
+            engine.release_lookup(lookup_id)
+        engine.stats.latency["retrieve"].observe(time.perf_counter() - t0)
+
+
+def _retrieve_mla(
+    engine: KVEngine,
+    chunks: list[Chunk],
+    slot_mapping: torch.Tensor,
+    loaded: torch.Tensor,
+    lookup_id: str | None,
+    t0: float,
+) -> Generator[torch.Tensor, None, torch.Tensor]:
+    assert engine._mla is not None
+    try:
+        engine._mla.retrieve(engine, chunks, slot_mapping, loaded)
+        for _layer in range(engine.layout.num_layers - 1):
+            yield loaded
+        return loaded
+    finally:
         if lookup_id is not None:
             engine.release_lookup(lookup_id)
         engine.stats.latency["retrieve"].observe(time.perf_counter() - t0)

@@ -75,7 +75,11 @@ class LoopThread:
         try:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:
-            fut.cancel()
+            # cancel() fails only once the coroutine has finished (or is being marked
+            # finished): a result that made it is the caller's, and may hold references
+            # only the caller can drop.
+            if not fut.cancel() and fut.exception() is None:
+                return fut.result()
             raise TimeoutError(f"engine operation did not finish within {timeout}s") from None
 
     def call_soon(self, fn: Any, *args: Any) -> None:

@@ -141,6 +141,9 @@ class StorageManager:
                 # The gets still in flight are cancelled on the loop, which counts each
                 # as a timeout miss of the tier it was waiting on.
                 more = []
+            except BaseException:
+                _drop_all(objs)  # the L1 prefix's references were the caller's to drop
+                raise
             for obj, name in more:
                 objs.append(obj)
                 names.append(name)
@@ -151,7 +154,14 @@ class StorageManager:
         objs = self._l1_prefix(keys)
         names = [self.l1.name] * len(objs)
         if len(objs) < len(keys) and self.lower:
-            for obj, name in await self._lower_prefix(keys[len(objs) :]):
+            try:
+                more = await self._lower_prefix(keys[len(objs) :])
+            except BaseException:
+                # Cancelled (a prefetch released, the engine closing): the L1 prefix's
+                # references were the caller's, and no caller gets them now.
+                _drop_all(objs)
+                raise
+            for obj, name in more:
                 objs.append(obj)
                 names.append(name)
         return objs, names
@@ -222,7 +232,10 @@ class StorageManager:
     # -- management -----------------------------------------------------------------
     def unpin(self, pinned: Sequence[tuple[Tier | HostTier, ChunkKey]]) -> None:
         for tier, key in pinned:
-            tier.unpin(key)
+            try:
+                tier.unpin(key)
+            except Exception as exc:  # a failing tier is skipped: the other pins still go
+                log.warning("tier unpin failed", tier=tier.name, error=repr(exc))
 
     def remove(self, key: ChunkKey, tier: str | None = None) -> int:
         n = 0
@@ -258,6 +271,11 @@ def _count_miss(tier: Tier, reason: MissReason) -> None:
     misses = getattr(tier, "misses", None)  # tiers passed in by tests may have none
     if isinstance(misses, TierMisses):
         misses.inc(reason)
+
+
+def _drop_all(objs: Sequence[MemoryObj]) -> None:
+    for obj in objs:
+        obj.ref_down()
 
 
 def _drop_fetched(task: asyncio.Future) -> None:

@@ -9,12 +9,15 @@ invisible to every other, and to requests without a tenant.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 
 import msgspec
 
 from kvmesh.common.tokendb import ChunkedTokenDatabase
 
 MAX_TENANT_CHARS = 256
+# Tenant databases kept (least recently used dropped first).
+MAX_TENANT_DBS = 4096
 
 
 def check_tenant(tenant: str) -> str:
@@ -29,17 +32,27 @@ def check_tenant(tenant: str) -> str:
 
 
 class TenantDatabases:
-    """tenant → ChunkedTokenDatabase; "" is the engine's own database."""
+    """tenant → ChunkedTokenDatabase; "" is the engine's own database.
 
-    def __init__(self, base: ChunkedTokenDatabase) -> None:
+    Tenants come from clients, so only the most recently used `max_dbs` are kept: a
+    client rotating tenant strings cannot grow the engine's memory, and a database
+    dropped is cheap to rebuild (a namespace and a seed; its keys come out the same).
+    """
+
+    def __init__(self, base: ChunkedTokenDatabase, max_dbs: int = MAX_TENANT_DBS) -> None:
         self.base = base
-        self._dbs: dict[str, ChunkedTokenDatabase] = {"": base}
+        self._max_dbs = max_dbs
+        self._dbs: OrderedDict[str, ChunkedTokenDatabase] = OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, tenant: str = "") -> ChunkedTokenDatabase:
-        db = self._dbs.get(tenant)
-        if db is not None:
-            return db
+        if tenant == "":
+            return self.base
+        with self._lock:
+            db = self._dbs.get(tenant)
+            if db is not None:
+                self._dbs.move_to_end(tenant)
+                return db
         check_tenant(tenant)
         salt = self.base.namespace.tenant
         # NUL never occurs in a checked tenant, so (salt, tenant) pairs cannot collide.
@@ -52,7 +65,11 @@ class TenantDatabases:
             hash_algorithm=self.base.hash_algorithm,
         )
         with self._lock:
-            return self._dbs.setdefault(tenant, db)
+            db = self._dbs.setdefault(tenant, db)
+            self._dbs.move_to_end(tenant)
+            if len(self._dbs) > self._max_dbs:
+                self._dbs.popitem(last=False)
+            return db
 
     def __len__(self) -> int:
-        return len(self._dbs)
+        return 1 + len(self._dbs)

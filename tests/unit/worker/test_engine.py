@@ -3,6 +3,7 @@ promotion, prefetch, clear/freeze, metrics and events, and the builder."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Generator
@@ -457,3 +458,144 @@ def test_close_releases_threads_and_memory() -> None:
     time.sleep(0.1)
     assert {t.name for t in threading.enumerate()} <= before
     assert eng.pool.closed
+
+
+class SlowTier(MemoryTier):
+    """A MemoryTier whose gets take `delay` seconds on the loop, and whose unpin can
+    fail as a plugin tier's would when its backend is down."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        super().__init__()
+        self.delay = delay
+        self.fail_unpin = False
+
+    async def aget(self, key, allocator):
+        await asyncio.sleep(self.delay)
+        return self.get(key, allocator)
+
+    def unpin(self, key):
+        if self.fail_unpin:
+            raise ConnectionError("backend down")
+        return key in self.data
+
+
+def test_cancelled_prefetch_returns_its_l1_references() -> None:
+    view, _, _ = make_cache("cpu", torch.float16, True, blocks=BLOCKS, block_size=BLOCK)
+    mem = SlowTier(delay=0.5)
+    eng = engine_for(view, lower_tiers=[mem])
+    try:
+        prompt = tokens(24)
+        eng.store(prompt, torch.randperm(SLOTS)[:24])
+        keys = [k for _, _, k in eng.chunks(prompt)]
+        for k in keys[1:]:  # chunk 0 in L1, the rest only in the slow tier
+            eng.storage.remove(k, "l1")
+        first = eng.storage.l1._objs[keys[0]]
+        fut = eng.prefetch(prompt, "pf")
+        time.sleep(0.1)  # the prefetch now waits on the slow tier
+        eng.release_lookup("pf")
+        time.sleep(0.6)
+        assert fut.cancelled()
+        assert first.ref_count == 1  # L1's own reference only
+        assert eng.clear(tier="l1") == 1
+        assert eng.pool.used_pages == 0
+    finally:
+        eng.close()
+
+
+def test_failed_waterfall_get_returns_its_l1_references() -> None:
+    view, _, _ = make_cache("cpu", torch.float16, True, blocks=BLOCKS, block_size=BLOCK)
+    eng = engine_for(view, lower_tiers=[MemoryTier()])
+    try:
+        prompt = tokens(24)
+        eng.store(prompt, torch.randperm(SLOTS)[:24])
+        keys = [k for _, _, k in eng.chunks(prompt)]
+        eng.storage.remove(keys[2], "l1")
+        eng.loop.stop()  # the lower-tier part raises: the loop is gone
+        with pytest.raises(RuntimeError, match="event loop is stopped"):
+            eng.retrieve(prompt, torch.randperm(SLOTS)[:24])
+        assert [eng.storage.l1._objs[k].ref_count for k in keys[:2]] == [1, 1]
+        assert eng.clear(tier="l1") == 2
+        assert eng.pool.used_pages == 0
+    finally:
+        eng.close()
+
+
+def test_a_failing_tier_unpin_releases_the_other_pins() -> None:
+    view, _, _ = make_cache("cpu", torch.float16, True, blocks=BLOCKS, block_size=BLOCK)
+    mem = SlowTier()
+    eng = engine_for(view, lower_tiers=[mem])
+    try:
+        prompt = tokens(24)
+        eng.store(prompt, torch.randperm(SLOTS)[:24])
+        keys = [k for _, _, k in eng.chunks(prompt)]
+        assert eng.storage.l1.pin(keys[0])
+        mem.fail_unpin = True
+        eng.storage.unpin([(mem, keys[1]), (eng.storage.l1, keys[0])])  # no raise
+        assert eng.storage.l1._objs[keys[0]].pin_count == 0
+
+        # A retrieve whose lookup pinned in the failing tier still loads.
+        eng.storage.remove(keys[2], "l1")
+        assert eng.lookup(prompt, "req") == 24
+        assert eng.retrieve(prompt, torch.randperm(SLOTS)[:24], lookup_id="req").all()
+        assert len(eng.pins) == 0
+        assert eng.clear(tier="l1") == 3
+    finally:
+        eng.close()
+
+
+def test_pin_expiry_outlives_a_failing_pass(monkeypatch) -> None:
+    view, _, _ = make_cache("cpu", torch.float16, True, blocks=BLOCKS, block_size=BLOCK)
+    eng = engine_for(view, config(pin_timeout_s=0.2))
+    try:
+        expire = eng.pins.expire
+        failed = threading.Event()
+
+        def expire_once_failing() -> None:
+            if not failed.is_set():
+                failed.set()
+                raise RuntimeError("a bad pass")
+            expire()
+
+        monkeypatch.setattr(eng.pins, "expire", expire_once_failing)
+        assert failed.wait(3)
+        prompt = tokens(16)
+        eng.store(prompt, torch.randperm(SLOTS)[:16])
+        assert eng.lookup(prompt, "gone") == 16
+        deadline = time.monotonic() + 3
+        while len(eng.pins) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(eng.pins) == 0
+        assert eng.clear() == 2
+    finally:
+        eng.close()
+
+
+def test_layerwise_store_larger_than_l1_does_not_wait_for_its_own_pages() -> None:
+    view, _, _ = make_cache("cpu", torch.float16, True, blocks=BLOCKS, block_size=BLOCK)
+    cfg = small_l1(6, view)
+    cfg = config(l1=L1Config(max_size=cfg.l1.max_size, reserve=0, alloc_timeout_s=2.0))
+    eng = engine_for(view, cfg)
+    try:
+        assert eng.pool.num_pages == 6
+        prompt = tokens(64, 3)  # 8 chunks for 6 pages
+        gen = eng.store_layer(prompt, torch.randperm(SLOTS)[:64])
+        started = time.monotonic()
+        next(gen)  # the first layer: vLLM's forward pass waits on it
+        assert time.monotonic() - started < 1.0
+        assert drain(gen) == 48  # truncated to what L1 could hand out
+        assert eng.stats.alloc_failures._value.get() == 1
+    finally:
+        gen.close()
+        eng.close()
+
+
+@pytest.mark.parametrize("call", ["store", "retrieve", "store_layer", "retrieve_layer"])
+def test_a_slot_mapping_shorter_than_the_tokens_is_refused(cpu_engine, call: str) -> None:
+    eng, _, _ = cpu_engine
+    prompt = tokens(16)
+    eng.store(prompt, torch.randperm(SLOTS)[:16])
+    used = eng.pool.used_pages
+    with pytest.raises(ValueError, match="12 slots for 16 tokens"):
+        getattr(eng, call)(prompt if "retrieve" in call else tokens(16, 9), torch.arange(12))
+    assert eng.pool.used_pages == used
+    assert len(eng.storage.l1) == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 import tracemalloc
@@ -108,3 +109,39 @@ def test_loop_thread_runs_and_times_out() -> None:
     assert not lt.running
     with pytest.raises(RuntimeError):
         lt.run(asyncio.sleep(0), timeout=1)
+
+
+def test_loop_thread_returns_a_result_that_lands_at_the_timeout() -> None:
+    lt = LoopThread()
+    submit = lt.submit
+
+    def finishing_at_the_deadline(coro):
+        # The coroutine finishes just after the caller's wait ended: the first
+        # result() sees the timeout, though the result is already there.
+        fut = submit(coro)
+        result = fut.result
+        waited = []
+
+        def result_after_timeout(timeout=None):
+            if waited:
+                return result(timeout)
+            waited.append(True)
+            fut.exception(None)  # done, with a result or an error
+            raise concurrent.futures.TimeoutError
+
+        fut.result = result_after_timeout
+        return fut
+
+    lt.submit = finishing_at_the_deadline  # type: ignore[method-assign]
+    try:
+        # A result that made it (for a get: objects holding the caller's references)
+        # is returned, not dropped.
+        assert lt.run(asyncio.sleep(0.01, result=["obj"]), timeout=0.001) == ["obj"]
+
+        async def fails() -> None:
+            raise ValueError("late failure")
+
+        with pytest.raises(TimeoutError):
+            lt.run(fails(), timeout=0.001)
+    finally:
+        lt.stop()
