@@ -91,6 +91,7 @@ class RouterLoop:
         max_frames: int = DEFAULT_MAX_FRAMES,
         monitor_events: int = 0,
         secure: Callable[[zmq.Socket], None] | None = None,
+        send_hwm: int = HWM,
     ) -> int:
         """Bind host:port (port 0: any free one) and serve; returns the port.
 
@@ -99,11 +100,13 @@ class RouterLoop:
         included) is answered BAD_MESSAGE. With monitor_events, `monitor` receives
         those socket events; it is set up before the bind, so it sees every connection.
         `secure(sock)` runs before the bind too (CURVE: common/transport/curve.py).
+        send_hwm bounds the messages queued for each connection (beyond, sends to it are
+        dropped).
         """
         self._max_frames = max(2, max_frames)
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, HWM)
+        sock.setsockopt(zmq.SNDHWM, send_hwm)
         sock.setsockopt(zmq.RCVHWM, HWM)
         sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         sock.setsockopt(zmq.TCP_KEEPALIVE, 1)

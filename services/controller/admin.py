@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import secrets
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -18,15 +19,23 @@ class AdminFanout:
     def __init__(self, push: Callable[[bytes, proto.Command], bool], timeout_s: float) -> None:
         self._push = push
         self.timeout_s = timeout_s
-        self._rids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[proto.CommandReply]] = {}
+        # From a random start each run: a late reply to a command of an earlier run
+        # (a fetch may take an hour) then matches no command of this one.
+        self._rids = itertools.count(secrets.randbits(62) + 1)
+        # rid → (the peer and worker the command went to, its waiter)
+        self._pending: dict[int, tuple[bytes, str, asyncio.Future[proto.CommandReply]]] = {}
         # event id → (done, results); the oldest are forgotten past KEEP_EVENTS.
         self.events: OrderedDict[str, tuple[bool, list[proto.WorkerResult]]] = OrderedDict()
 
-    def on_reply(self, msg: proto.CommandReply) -> bool:
-        """Hand a worker's CommandReply to its waiter; False when none waits (late)."""
-        fut = self._pending.get(msg.rid)
-        if fut is None or fut.done():
+    def on_reply(self, peer: bytes, msg: proto.CommandReply) -> bool:
+        """Hand a worker's CommandReply to its waiter; False when none waits (late), or
+        when it comes from another connection or worker than the command went to (a
+        Move would otherwise remove chunks on someone else's word)."""
+        pending = self._pending.get(msg.rid)
+        if pending is None:
+            return False
+        to_peer, worker_id, fut = pending
+        if to_peer != peer or worker_id != msg.worker_id or fut.done():
             return False
         fut.set_result(msg)
         return True
@@ -73,7 +82,7 @@ class AdminFanout:
             return _failed(worker, "not connected")
         rid = next(self._rids)
         fut: asyncio.Future[proto.CommandReply] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = fut
+        self._pending[rid] = (worker.peer, worker.worker_id, fut)
         # The worker is told a shorter deadline, so its answer (a partial result
         # included) arrives before we stop waiting for it.
         worker_deadline = timeout_s - min(0.5, timeout_s / 4)

@@ -21,6 +21,11 @@ from kvmesh.services.controller.event_pub import EventPublisher
 from kvmesh.services.controller.event_ring import TooOld
 
 MAX_REQUEST_BYTES = 1 << 20
+# What a peer that asks and never reads can make us hold: ZMQ's HWM counts messages,
+# so batches are bounded in bytes too, and the HWM is what two answers of a full ring
+# take (an event's payload assumed under EVENT_BYTES): a few hundred MB at most.
+MAX_BATCH_BYTES = 256 << 10
+EVENT_BYTES = 256
 
 
 class _Stats:
@@ -48,7 +53,11 @@ class EventReplay:
         self.router = RouterLoop(ctx, kv.codec, self._dispatch, self.stats)
 
     def start(self, host: str, port: int, secure: Callable[[zmq.Socket], None]) -> int:
-        return self.router.start(host, port, max_message_bytes=MAX_REQUEST_BYTES, secure=secure)
+        size = self.publisher.ring.size  # type: ignore[union-attr]
+        hwm = 2 * (size // kv.MAX_REPLAY_ENTRIES + size * EVENT_BYTES // MAX_BATCH_BYTES + 2)
+        return self.router.start(
+            host, port, max_message_bytes=MAX_REQUEST_BYTES, secure=secure, send_hwm=hwm
+        )
 
     def close(self) -> None:
         self.router.close()
@@ -90,8 +99,16 @@ class EventReplay:
         except TooOld:
             self._error(peer, msg.rid, ErrorCode.TOO_OLD, kv.TOO_OLD_MESSAGE)
             return
-        step = kv.MAX_REPLAY_ENTRIES
-        for i in range(0, len(kept), step):
-            entries = [kv.ReplayEntry(k.seq, k.topic, k.payload) for k in kept[i : i + step]]
+        entries: list[kv.ReplayEntry] = []
+        size = 0
+        for k in kept:
+            if entries and (
+                len(entries) == kv.MAX_REPLAY_ENTRIES or size + len(k.payload) > MAX_BATCH_BYTES
+            ):
+                self.router.send(peer, kv.ReplayBatch(msg.rid, pub.epoch, entries))
+                entries, size = [], 0
+            entries.append(kv.ReplayEntry(k.seq, k.topic, k.payload))
+            size += len(k.payload)
+        if entries:
             self.router.send(peer, kv.ReplayBatch(msg.rid, pub.epoch, entries))
         self.router.send(peer, kv.ReplayEnd(msg.rid, pub.epoch, pub.seq, len(kept)))

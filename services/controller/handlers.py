@@ -21,7 +21,7 @@ from kvmesh.services.controller import move
 from kvmesh.services.controller.admin import AdminFanout
 from kvmesh.services.controller.event_pub import EventPublisher
 from kvmesh.services.controller.index_feed import IndexFeed
-from kvmesh.services.controller.registry import Registry, WorkerEntry
+from kvmesh.services.controller.registry import Registry, WorkerEntry, is_namespace_id
 from kvmesh.services.controller.stats import ControllerStats
 
 MAX_ID_CHARS = 256
@@ -29,15 +29,12 @@ MAX_COMPRESS_S = 3600.0
 # A worker registers one namespace per model/layout it serves: a handful.
 MAX_NAMESPACES = 64
 MAX_HEARTBEAT_S = 86_400.0
+# Ranks of one engine instance (tensor x pipeline parallel): far below this.
+MAX_WORLD_SIZE = 4096
+MAX_ENDPOINT_CHARS = 1024
 # Event batches held back while a worker's full state is applied (~1 s a million
 # keys); beyond this many the rest are dropped and the worker resyncs once it is in.
 MAX_HELD_BATCHES = 4096
-_HEX = frozenset("0123456789abcdef")
-
-
-def is_namespace_id(ns: str) -> bool:
-    """A KeyNamespace id as the engines write it: NS_ID_HEX_LEN lower-case hex digits."""
-    return len(ns) == NS_ID_HEX_LEN and _HEX.issuperset(ns)
 
 
 SyncHandler = Callable[[bytes, Any], Any]
@@ -89,8 +86,16 @@ class Handlers:
     def register(self, peer: bytes, msg: proto.Register) -> Any:
         if not 0 < len(msg.instance_id) <= MAX_ID_CHARS or not msg.instance_id.isprintable():
             return proto.error_reply(msg.rid, ErrorCode.BAD_REQUEST, "instance_id: 1-256 printable")
-        if not (0 <= msg.rank < msg.world_size):
-            return proto.error_reply(msg.rid, ErrorCode.BAD_REQUEST, "need 0 <= rank < world_size")
+        if not (0 <= msg.rank < msg.world_size <= MAX_WORLD_SIZE):
+            return proto.error_reply(
+                msg.rid,
+                ErrorCode.BAD_REQUEST,
+                f"need 0 <= rank < world_size <= {MAX_WORLD_SIZE}",
+            )
+        if max(len(msg.p2p_endpoint), len(msg.lookup_endpoint)) > MAX_ENDPOINT_CHARS:
+            return proto.error_reply(
+                msg.rid, ErrorCode.BAD_REQUEST, f"endpoints: at most {MAX_ENDPOINT_CHARS} chars"
+            )
         # NaN, inf or a period of years would keep the worker, silent or gone, forever.
         if not 0 < msg.heartbeat_s <= MAX_HEARTBEAT_S:
             return proto.error_reply(
@@ -247,7 +252,7 @@ class Handlers:
         return proto.FullStateReply(msg.rid, sum(len(s) for s in entry.tiers.values()))
 
     def command_reply(self, peer: bytes, msg: proto.CommandReply) -> Any:
-        self.fanout.on_reply(msg)
+        self.fanout.on_reply(peer, msg)
         return None
 
     # -- lookups and listings -----------------------------------------------------------
@@ -305,6 +310,10 @@ class Handlers:
     async def admin(self, peer: bytes, msg: proto.Clear | proto.Pin | proto.Health) -> Any:
         if not msg.event_id or len(msg.event_id) > MAX_ID_CHARS:
             return proto.error_reply(msg.rid, ErrorCode.BAD_REQUEST, "event_id: 1-256 characters")
+        if isinstance(msg, proto.Pin) and len(msg.keys) > move.MAX_MOVE_KEYS:
+            return proto.error_reply(
+                msg.rid, ErrorCode.BAD_REQUEST, f"at most {move.MAX_MOVE_KEYS} keys a pin"
+            )
         targets = [
             w
             for w in self.registry.workers.values()
@@ -341,6 +350,12 @@ class Handlers:
         if msg.tier not in proto.COMPRESS_TIERS:
             return proto.error_reply(
                 msg.rid, ErrorCode.BAD_REQUEST, f"tier {msg.tier!r:.40}: disk or remote"
+            )
+        if len(msg.keys) > move.MAX_MOVE_KEYS:
+            return proto.error_reply(
+                msg.rid,
+                ErrorCode.BAD_REQUEST,
+                f"at most {move.MAX_MOVE_KEYS} keys (none: every chunk)",
             )
         if not 0 <= msg.timeout_s <= MAX_COMPRESS_S:
             return proto.error_reply(

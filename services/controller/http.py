@@ -12,21 +12,24 @@ POST /copy              {"src_instance", "dst_instance", "keys"?, "timeout_s"?, 
 POST /move              the same; the source loses what the destination confirmed
 POST /compress          {"method"?, "tier"?, "keys"?, "instance_id"?, "timeout_s"?, "event_id"?}
 
-Built on asyncio streams (standard library): the controller then needs no web framework
-(aiohttp is only in this venv as a vLLM dependency). One request per connection
-(`Connection: close`), bodies up to MAX_BODY_BYTES, a deadline on reading.
+Served by aiohttp (as the probe endpoints, common/observability/http.py): it parses
+HTTP, chunked bodies included, so a body is never misread as empty, which for /clear
+would mean every instance. Bodies up to MAX_BODY_BYTES, read within READ_TIMEOUT_S;
+an answer must be taken by the client within WRITE_TIMEOUT_S (plus its transfer time
+at a slow rate) or the connection is cut, so a client that never reads holds nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import uuid
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+from aiohttp import web
 
+from kvmesh.common.observability.http import ClientErrorLogger
 from kvmesh.common.observability.http_auth import BearerAuth, needs_token
 from kvmesh.common.protocol import controller as proto
 
@@ -35,6 +38,11 @@ if TYPE_CHECKING:
 
 MAX_BODY_BYTES = 1 << 20
 READ_TIMEOUT_S = 5.0
+WRITE_TIMEOUT_S = 5.0
+WRITE_MIN_RATE = 1 << 20  # bytes/s a client must at least take an answer at
+KEEPALIVE_S = 5.0
+SHUTDOWN_S = 1.0
+PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class _BadRequest(Exception):
@@ -48,37 +56,55 @@ class AdminHttp:
         self.token = token
         self.auth = BearerAuth(token, server.stats.metrics, "controller")
         self.port = 0
-        self._server: asyncio.Server | None = None
+        self._runner: web.AppRunner | None = None
 
     async def start(self, port: int) -> None:
-        self._server = await asyncio.start_server(self._serve, self.host, port, reuse_address=True)
-        self.port = self._server.sockets[0].getsockname()[1]
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.router.add_route("*", "/{path:.*}", self._handle)
+        runner = web.AppRunner(
+            app,
+            access_log=None,
+            handle_signals=False,
+            shutdown_timeout=SHUTDOWN_S,
+            keepalive_timeout=KEEPALIVE_S,
+            auto_decompress=False,
+            logger=ClientErrorLogger(),
+        )
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, port, reuse_address=True)
+        try:
+            await site.start()
+        except OSError:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        server = site._server  # aiohttp keeps the bound socket there only
+        assert server is not None
+        self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        method, path = request.method, request.path
+        if needs_token(method, path) and not self.auth.allows(request.headers.get("Authorization")):
+            return await _respond(request, 401, {"error": "missing or wrong bearer token"})
+        if request.headers.get("Content-Encoding", "identity").strip().lower() != "identity":
+            return await _respond(request, 415, {"error": "Content-Encoding: identity only"})
         try:
             async with asyncio.timeout(READ_TIMEOUT_S):
-                head = await reader.readuntil(b"\r\n\r\n")
-                method, path, length, auth = _parse_head(head)
-                body = await reader.readexactly(length) if length else b""
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, OSError):
-            writer.close()
-            return
-        except _BadRequest as exc:
-            await _respond(writer, 400, {"error": str(exc)})
-            return
-        if needs_token(method, path) and not self.auth.allows(auth):
-            await _respond(writer, 401, {"error": "missing or wrong bearer token"})
-            return
+                body = await request.read()
+        except TimeoutError:
+            return await _respond(request, 408, {"error": "body not sent in time"})
+        except web.HTTPRequestEntityTooLarge:
+            return await _respond(request, 400, {"error": f"body over {MAX_BODY_BYTES} bytes"})
         try:
             status, payload = await self._route(method, path, body)
         except _BadRequest as exc:
             status, payload = 400, {"error": str(exc)}
-        await _respond(writer, status, payload)
+        return await _respond(request, status, payload)
 
     async def _route(self, method: str, path: str, body: bytes) -> tuple[int, Any]:
         srv = self.server
@@ -155,33 +181,12 @@ def _seconds(args: dict[str, Any]) -> float:
     return float(timeout_s)
 
 
-def _parse_head(head: bytes) -> tuple[str, str, int, str | None]:
-    lines = head.decode("latin-1").split("\r\n")
-    parts = lines[0].split()
-    if len(parts) < 2:
-        raise _BadRequest("bad request line")
-    length = 0
-    auth = None
-    for line in lines[1:]:
-        name, _, value = line.partition(":")
-        if name.strip().lower() == "authorization":
-            auth = value.strip()
-        elif name.strip().lower() == "content-length":
-            try:
-                length = int(value.strip())
-            except ValueError:
-                raise _BadRequest("bad Content-Length") from None
-    if not 0 <= length <= MAX_BODY_BYTES:
-        raise _BadRequest(f"body over {MAX_BODY_BYTES} bytes")
-    return parts[0], parts[1].split("?", 1)[0], length, auth
-
-
 def _json_object(body: bytes) -> dict[str, Any]:
     if not body.strip():
         return {}
     try:
         obj = json.loads(body)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
         raise _BadRequest(f"body is not JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise _BadRequest("body must be a JSON object")
@@ -196,23 +201,19 @@ def _result(r: proto.WorkerResult) -> dict[str, Any]:
     return msgspec.structs.asdict(r)
 
 
-async def _respond(writer: asyncio.StreamWriter, status: int, payload: Any) -> None:
+async def _respond(request: web.Request, status: int, payload: Any) -> web.StreamResponse:
     if isinstance(payload, bytes):
-        ctype, body = "text/plain; version=0.0.4; charset=utf-8", payload
+        ctype, body = PROMETHEUS_TYPE, payload
     else:
         ctype, body = "application/json", json.dumps(payload).encode() + b"\n"
-    reason = {
-        200: "OK",
-        400: "Bad Request",
-        401: "Unauthorized",
-        404: "Not Found",
-        405: "Method Not Allowed",
-    }
-    head = (
-        f"HTTP/1.1 {status} {reason.get(status, '')}\r\nContent-Type: {ctype}\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-    ).encode()
-    writer.write(head + body)
-    with contextlib.suppress(OSError):
-        await writer.drain()
-    writer.close()
+    resp = web.Response(status=status, body=body, headers={"Content-Type": ctype})
+    # Sent here rather than by aiohttp, which would wait as long as a client that does
+    # not read stays connected.
+    try:
+        async with asyncio.timeout(WRITE_TIMEOUT_S + len(body) / WRITE_MIN_RATE):
+            await resp.prepare(request)
+            await resp.write_eof()
+    except (TimeoutError, ConnectionError):
+        if request.transport is not None:
+            request.transport.abort()
+    return resp

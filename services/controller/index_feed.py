@@ -72,10 +72,14 @@ class IndexFeed:
             return proto.error_reply(
                 msg.rid, ErrorCode.SHUTTING_DOWN, f"{self._max} index subscribers already"
             )
+        if peer in self._waiting:
+            # Each snapshot copies the whole registry: one at a time per peer.
+            return proto.error_reply(
+                msg.rid, ErrorCode.SHUTTING_DOWN, "a snapshot is being packed for you: retry"
+            )
         self.subscribers[peer] = time.monotonic()
         self._stats.index_subscribers.set(len(self.subscribers))
         self._stats.index_snapshots.inc()
-        # A new queue also orphans one of an earlier subscribe still being packed.
         self._waiting[peer] = queue = []
         return self._snapshot(peer, msg.rid, self.seq, queue)
 
@@ -90,8 +94,6 @@ class IndexFeed:
                 self.subscribers.pop(peer, None)
                 self._stats.index_subscribers.set(len(self.subscribers))
             raise
-        if self._waiting.get(peer) is not queue:
-            return None  # a later subscribe of this peer took over
         del self._waiting[peer]
         workers = [proto.IndexWorkerState(_worker(e), tiers) for e, _, tiers in parts]
         self._send(peer, proto.IndexSnapshotReply(rid, self.epoch, seq, workers))

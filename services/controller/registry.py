@@ -45,6 +45,7 @@ from kvmesh.common.chunk_holders import (
     tier_bit,
     unpack_ints,
 )
+from kvmesh.common.keys import NS_ID_HEX_LEN
 
 SNAPSHOT_VERSION = 1
 
@@ -84,6 +85,14 @@ class WorkerEntry:
 
 # (kind, tier, chunk ints): consecutive events of one kind in one tier.
 Run = tuple[int, str, list[int]]
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def is_namespace_id(ns: str) -> bool:
+    """A KeyNamespace id as the engines write it: NS_ID_HEX_LEN lower-case hex digits."""
+    return len(ns) == NS_ID_HEX_LEN and _HEX.issuperset(ns)
 
 
 class RegistrySink(Protocol):
@@ -411,8 +420,20 @@ class Registry:
         sink = self.sink
         self.__init__()
         self.sink = sink
+        try:
+            self._load(snap.workers)
+        except BaseException:
+            self.__init__()  # empty, not half a snapshot: the caller says it starts empty
+            self.sink = sink
+            raise
+        return len(snap.workers)
+
+    def _load(self, workers: list[_SnapWorker]) -> None:
         now = time.monotonic()
-        for w in snap.workers:
+        for w in workers:
+            # Read as hex ints by every later prefix count, of any worker.
+            if not 0 <= w.rank < w.world_size or not all(map(is_namespace_id, w.namespaces)):
+                raise ValueError(f"snapshot worker {w.worker_id[:80]!r}: bad rank or namespace")
             entry = WorkerEntry(
                 w.worker_id,
                 w.instance_id,
@@ -434,4 +455,3 @@ class Registry:
                 entry.tiers[tier] = keys
                 for k in keys:
                     self.holders[k] = self.holders.get(k, 0) | bit
-        return len(snap.workers)

@@ -118,6 +118,7 @@ class ControllerServer:
         self.http: AdminHttp | None = None
         self.port = 0
         self.restored_workers = 0
+        self._writing: asyncio.Future[None] | None = None  # the snapshot write in a thread
 
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -168,6 +169,8 @@ class ControllerServer:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.config.snapshot_path:
+            if self._writing is not None:  # cancelled housekeeping's write runs on
+                await asyncio.gather(self._writing, return_exceptions=True)
             await self.save_snapshot()
         self.router.close()
         if self.events_replay is not None:
@@ -213,15 +216,19 @@ class ControllerServer:
             return
         self.sessions[peer] = time.monotonic()
         handler = self.handlers.table.get(type(msg))
+        # An index snapshot is a task too. A full state is one as well but is not
+        # refused: a worker's batches wait for it from its handler's first step on.
+        if (handler is None or isinstance(msg, proto.IndexSubscribe)) and len(
+            self.router.inflight
+        ) >= MAX_INFLIGHT_TASKS:
+            self.push(peer, proto.error_reply(msg.rid, ErrorCode.SHUTTING_DOWN, "busy, retry"))
+            return
         if handler is not None:
             reply = handler(peer, msg)
             if asyncio.iscoroutine(reply):  # begun in order here, finished by a task
                 self.router.spawn(peer, msg, self._finish, reply)
             elif reply is not None:
                 self.push(peer, reply)
-            return
-        if len(self.router.inflight) >= MAX_INFLIGHT_TASKS:
-            self.push(peer, proto.error_reply(msg.rid, ErrorCode.SHUTTING_DOWN, "busy, retry"))
             return
         handle = self.handlers.async_table[type(msg)]
         self.router.spawn(peer, msg, self._finish, handle(peer, msg))
@@ -300,8 +307,11 @@ class ControllerServer:
             await asyncio.sleep(0)
         data = await asyncio.to_thread(encode_snapshot, parts)
         path = self.config.snapshot_path
+        # A thread is not stopped by cancelling its caller: stop() waits for this one
+        # before writing the same temp file itself.
+        self._writing = asyncio.ensure_future(asyncio.to_thread(_write_atomic, path, data))
         try:
-            await asyncio.to_thread(_write_atomic, path, data)
+            await asyncio.shield(self._writing)
         except OSError as exc:
             log.error("snapshot not written", path=path, error=str(exc))
             return

@@ -17,6 +17,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvmesh.common import offload
 from kvmesh.common.config import EngineControllerConfig
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.observability import get_logger
@@ -27,7 +28,7 @@ from kvmesh.common.transport.controller_client import (
     ControllerUnavailable,
 )
 from kvmesh.services.worker import peer_copy
-from kvmesh.services.worker.compress import rewrite_chunks
+from kvmesh.services.worker.compress import CompressResult, rewrite_chunks
 from kvmesh.services.worker.peer_locator import PeerLocation
 
 if TYPE_CHECKING:
@@ -36,6 +37,9 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 _REREGISTER = frozenset({proto.ErrorCode.NO_HELLO, proto.ErrorCode.NOT_REGISTERED})
+# Keys parsed (~3 µs each) and pinned on the engine's loop up to this many (~1 ms, the
+# cost of `offload.OFFLOAD_FROM` bytes of copying); more go to a thread.
+KEYS_ON_LOOP = 256
 
 
 class ControllerClient:
@@ -244,7 +248,12 @@ class ControllerClient:
                 await self._send_full_state()
             elif cmd.op in ("pin", "unpin"):
                 act = l1.pin if cmd.op == "pin" else l1.unpin
-                count = sum(act(ChunkKey.from_str(k)) for k in cmd.keys)
+                keys_in = cmd.keys
+
+                def pin() -> int:
+                    return sum(act(ChunkKey.from_str(k)) for k in keys_in)
+
+                count = pin() if len(keys_in) <= KEYS_ON_LOOP else await offload.offload(pin)
             elif cmd.op == "health":
                 detail = {
                     "l1_chunks": len(l1),
@@ -269,15 +278,7 @@ class ControllerClient:
                     ok = False
                     error = got.error or f"{got.failed} of {got.requested} chunks not copied"
             elif cmd.op == "compress":
-                keys_asked = [ChunkKey.from_str(k) for k in cmd.keys] or None
-                done = await asyncio.to_thread(
-                    rewrite_chunks,
-                    engine,
-                    keys_asked,
-                    cmd.method,
-                    cmd.tier,
-                    deadline_s=cmd.deadline_s or None,
-                )
+                done = await asyncio.to_thread(_compress, engine, cmd)
                 count, detail = done.rewritten, done.detail
                 if done.timed_out or done.failed:
                     ok = False
@@ -361,3 +362,9 @@ def wait_registered(client: ControllerClient, timeout: float) -> bool:
             return True
         time.sleep(0.01)
     return client.registered
+
+
+def _compress(engine: KVEngine, cmd: proto.Command) -> CompressResult:
+    # On a thread, the keys' parsing included: a command may name 65k of them.
+    keys = [ChunkKey.from_str(k) for k in cmd.keys] or None
+    return rewrite_chunks(engine, keys, cmd.method, cmd.tier, deadline_s=cmd.deadline_s or None)

@@ -68,8 +68,11 @@ def test_keys_go_to_the_rank_of_their_namespace() -> None:
 Answer = Callable[[proto.Command, str], proto.CommandReply | None]
 
 
-def run(reg: Registry, msg: proto.Move, answer: Answer) -> tuple[list, list]:
-    """Run msg with workers played by answer (None: the worker stays silent)."""
+def run(
+    reg: Registry, msg: proto.Move, answer: Answer, forge: Answer | None = None
+) -> tuple[list, list]:
+    """Run msg with workers played by answer (None: the worker stays silent); forge's
+    replies to a command arrive from another connection, before the worker's."""
     sent: list[tuple[str, proto.Command]] = []
 
     async def main() -> list[proto.WorkerResult]:
@@ -78,9 +81,12 @@ def run(reg: Registry, msg: proto.Move, answer: Answer) -> tuple[list, list]:
 
         def push(peer: bytes, cmd: proto.Command) -> bool:
             sent.append((peer.decode(), cmd))
+            forged = forge(cmd, peer.decode()) if forge is not None else None
+            if forged is not None:
+                loop.call_soon(fanout.on_reply, b"intruder", forged)
             reply = answer(cmd, peer.decode())
             if reply is not None:
-                loop.call_soon(fanout.on_reply, reply)
+                loop.call_soon(fanout.on_reply, peer, reply)
             return True
 
         fanout = AdminFanout(push, 0.3)
@@ -135,6 +141,42 @@ def test_copy_never_removes_and_a_silent_destination_loses_nothing() -> None:
     results, sent = run(two_by_two(), proto.Move(1, "cp", [], "A", "B", True), ok)
     assert [c.op for _, c in sent].count("remove") == 0
     assert sorted(r.worker_id for r in results) == ["B/0", "B/1"]
+
+
+def test_a_reply_from_another_connection_or_worker_confirms_nothing() -> None:
+    held = {"A/0": [key(0, 1)], "A/1": [key(1, 1)]}
+
+    def answer(cmd: proto.Command, worker: str) -> proto.CommandReply | None:
+        if cmd.op == "keys":
+            return reply(cmd, worker, keys=held[worker])
+        if cmd.op == "fetch":
+            # From the right connection but naming another worker: not its answer.
+            return reply(cmd, "B/9", count=len(cmd.keys), keys=cmd.keys)
+        return reply(cmd, worker, count=len(cmd.keys))
+
+    def forge(cmd: proto.Command, worker: str) -> proto.CommandReply | None:
+        if cmd.op != "fetch":
+            return None
+        return reply(cmd, worker, count=len(cmd.keys), keys=cmd.keys)  # the right worker id
+
+    results, sent = run(two_by_two(), proto.Move(1, "mv", [], "A", "B"), answer, forge)
+    assert not [c for _, c in sent if c.op == "remove"]
+    by = {r.worker_id: r for r in results}
+    assert (by["B/0"].ok, by["B/0"].error, by["B/1"].error) == (False, "timeout", "timeout")
+
+
+def test_command_rids_start_at_a_random_value_each_run() -> None:
+    starts = set()
+    for _ in range(3):
+
+        async def first_rid() -> int:
+            rids: list[int] = []
+            fanout = AdminFanout(lambda peer, cmd: rids.append(cmd.rid) or False, 0.1)
+            await fanout.run("e", "health", list(two_by_two().workers.values())[:1], "", [])
+            return rids[0]
+
+        starts.add(asyncio.run(first_rid()))
+    assert len(starts) == 3
 
 
 def test_per_rank_errors() -> None:

@@ -1,0 +1,48 @@
+"""The worker's answers to controller commands do not hold the engine's loop: a Pin of
+many keys is parsed and applied on a thread (a few keys stay on the loop)."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+from kvmesh.common.config import EngineControllerConfig
+from kvmesh.common.keys import ChunkKey
+from kvmesh.common.protocol import controller as proto
+from kvmesh.services.worker import controller_client
+from kvmesh.services.worker.controller_client import ControllerClient
+from kvmesh.services.worker.events import KVEventBuffer
+
+NS = "0123456789abcdef"
+
+
+async def test_a_pin_of_many_keys_runs_off_the_loop() -> None:
+    threads: set[int] = set()
+
+    def pin(key: ChunkKey) -> bool:
+        threads.add(threading.get_ident())
+        return True
+
+    sent: list[proto.CommandReply] = []
+    cfg = EngineControllerConfig(enabled=True, url="tcp://127.0.0.1:1")
+    engine = SimpleNamespace(
+        instance_id="w",
+        rank=0,
+        storage=SimpleNamespace(l1=SimpleNamespace(pin=pin, unpin=pin)),
+        config=SimpleNamespace(controller=cfg),
+        events=KVEventBuffer(),
+        curve=None,
+    )
+    client = ControllerClient(engine, cfg)  # type: ignore[arg-type]
+    client._conn = SimpleNamespace(send=sent.append)  # type: ignore[assignment]
+    loop_thread = threading.get_ident()
+    many = [ChunkKey(NS, i.to_bytes(16, "big")).to_str() for i in range(4 * 256)]
+    assert len(many) > controller_client.KEYS_ON_LOOP
+
+    await client._execute(proto.Command(7, "e", "pin", keys=many))
+    assert sent[-1].ok and sent[-1].count == len(many)
+    assert loop_thread not in threads
+
+    threads.clear()
+    await client._execute(proto.Command(8, "e", "unpin", keys=many[:3]))
+    assert sent[-1].count == 3 and threads == {loop_thread}
