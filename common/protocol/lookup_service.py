@@ -10,7 +10,8 @@ connect DEALER sockets to the lookup-server's ROUTER. Every request carries `rid
   `lookup.encode_tokens`) the server asks each of the instance's workers at their
   registered lookup endpoints (deadline `worker_timeout_s`), answers the minimum over
   ranks, and the workers pin what they counted under `lookup_id` when `pin`. A rank
-  that does not answer makes the answer 0 (`per_rank` holds -1 for it). With
+  that does not answer makes the answer 0 (`per_rank` holds -1 for it), and so does a
+  rank not registered (none is asked; `per_rank` is empty). With
   `hashes` (16-byte chained chunk hashes) there are no tokens to give the workers:
   the answer comes from the controller's registry (its copy in the lookup-server while
   in sync: `source` "index"), in chunks × `chunk_size`, and nothing is pinned.
@@ -111,7 +112,9 @@ class HelloReply(wire.Message, tag="hello_r"):
 class LookupReply(wire.Message, tag="lookup_r"):
     rid: int
     hit_tokens: int
-    per_rank: list[int]  # each rank's answer (index = rank); -1: no answer
+    # Each rank's answer (index = rank); -1: no answer. Empty when a rank of the
+    # instance is not registered (the answer is then 0, and no rank is asked).
+    per_rank: list[int]
     l1_tokens: int = -1
     # "workers", or for a lookup by hashes "index" or "controller" (see BestInstances)
     source: str = "workers"

@@ -218,9 +218,13 @@ class KvEventsSubscriber:
         for seq, topic, payload in entries:
             if before and seq >= before:
                 break  # the message that showed the gap, and later ones, come on the PUB
-            if seq > tr.expected(topic):
+            prev = tr.expected(topic)
+            if seq > prev:
                 tr.handed(seq, topic)
-                out.append(Delivery(seq, topic, payload, replayed=True))
+                if payload is None:  # not decodable (a newer kind?): a hole, said so
+                    out.append(Lost("undecodable", tr.epoch, (topic,), prev, seq + 1))
+                else:
+                    out.append(Delivery(seq, topic, payload, replayed=True))
         if not epoch:  # the start-up replay: later messages of other topics are new
             tr.floor = max(tr.floor or 0, last_seq)
         return out
@@ -228,9 +232,10 @@ class KvEventsSubscriber:
     # -- the replay socket --------------------------------------------------------------
     async def replay(
         self, since: int, topics: Sequence[str] = (), epoch: str = ""
-    ) -> tuple[list[tuple[int, str, kv.Payload]], str, int]:
+    ) -> tuple[list[tuple[int, str, kv.Payload | None]], str, int]:
         """(messages after since, the epoch, the newest seq published) from the replay
-        socket; ReplayError for its error reply or no answer in replay_timeout_s."""
+        socket (payload None: it did not decode); ReplayError for its error reply or no
+        answer in replay_timeout_s."""
         if not self.replay_url:
             raise ReplayError(0, "no replay socket")
         dealer = self._replay_socket()
@@ -239,7 +244,7 @@ class KvEventsSubscriber:
         self.replays += 1
         req = kv.Replay(rid, kv.PROTOCOL_VERSION, since, list(topics), epoch)
         await dealer.send(kv.encode(req))
-        out: list[tuple[int, str, kv.Payload]] = []
+        out: list[tuple[int, str, kv.Payload | None]] = []
         deadline = time.monotonic() + self.replay_timeout_s
         while True:
             left = deadline - time.monotonic()
@@ -261,6 +266,7 @@ class KvEventsSubscriber:
                     out.append((e.seq, e.topic, kv.decode_payload(e.payload)))
                 except (ValueError, msgspec.DecodeError):
                     self.malformed += 1
+                    out.append((e.seq, e.topic, None))
 
     def _replay_socket(self) -> zmq.asyncio.Socket:
         if self._dealer is None:

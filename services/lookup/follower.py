@@ -344,19 +344,24 @@ class IndexFollower:
     async def _replace(self, push: proto.WorkerReplaced) -> None:
         index = self.index
         assert index is not None
-        if self._in_order(push):
-            try:
+        try:
+            if self._in_order(push):
                 steps = index.replace_steps(push.worker_id, push.tiers)
-            except UnknownWorker as exc:
-                self._trigger("diverged", f"no worker {exc}")
-                return
-            try:
-                for _ in steps:
-                    await asyncio.sleep(0)
-            finally:
-                steps.close()
-            self.seq = push.seq
-            self.stats.pushes.inc()
+                try:
+                    for _ in steps:
+                        await asyncio.sleep(0)
+                finally:
+                    steps.close()
+                self.seq = push.seq
+                self.stats.pushes.inc()
+        except Exception as exc:
+            # As for a push applied at once (_apply, _read): resync. Held pushes are
+            # dropped, or they would pile up and no tick would confirm the index again.
+            if not isinstance(exc, UnknownWorker):
+                log.exception("worker replacement not applied", worker=push.worker_id)
+            self._held = self._replacing = None
+            self._trigger("diverged", f"replacement of {push.worker_id} failed: {exc!r}"[:200])
+            return
         held, self._held, self._replacing = self._held or [], None, None
         for later in held:
             self._take(later)

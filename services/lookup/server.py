@@ -57,13 +57,25 @@ log = get_logger(__name__)
 
 MAX_INFLIGHT = 1024
 MAX_MESSAGE_BYTES = 64 << 20
+# Request bytes held by the requests in flight: past it a request is answered "busy"
+# (16 lookups of the largest prompt), so the task bound is not 1024 x 16 MiB.
+MAX_INFLIGHT_BYTES = 256 << 20
+# Per client: what the loop has not read yet stays in the client's socket (TCP pushes
+# back), not here.
+RCV_HWM = 32
+# Prompts longer than this are hashed on a thread: a 4M-token prompt costs ~50 ms.
+HASH_ON_LOOP_TOKENS = 16_384
 OPS = ("hello", "lookup", "release", "best", "invalid")
 # What an instance's worker list is read for; WorkerInfo (controller) or IndexWorker.
 Worker = cproto.WorkerInfo | cproto.IndexWorker
 
 
 class Unavailable(Exception):
-    """The controller did not answer (or refused): the request gets UNAVAILABLE."""
+    """The controller did not answer: the request gets UNAVAILABLE."""
+
+
+class Refused(Exception):
+    """The controller refused the request itself: retrying cannot help (BAD_MESSAGE)."""
 
 
 class LookupService:
@@ -123,10 +135,15 @@ class LookupService:
         self._pool = WorkerPool(curve)
         self._tasks: list[asyncio.Task] = []
         self._inflight: set[asyncio.Task] = set()
+        self._inflight_bytes = 0
         self._closed = asyncio.Event()
         self._stopping = False
         self._workers: dict[str, list[Worker]] = {}
         self._workers_at = 0.0
+        # The one ListWorkers in flight (concurrent requests wait on it) and when the
+        # last one was started.
+        self._listing: asyncio.Task | None = None
+        self._listed_at = float("-inf")
         ns = KeyNamespace(model="-", kv_layout="-", dtype="-", world_size=1, rank=0)
         self._tokendb = ChunkedTokenDatabase(
             ns, chunk_size=config.chunk_size, hash_algorithm=config.hash_algorithm
@@ -143,6 +160,7 @@ class LookupService:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.linger = 0
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.RCVHWM, RCV_HWM)
         self.guard = CurveGuard(self._ctx, self.curve, self.metrics, "lookup")
         self.guard.serve(sock)
         self.port = bind_tcp(sock, self.config.host, self.config.port)
@@ -168,7 +186,7 @@ class LookupService:
         self._stopping = True
         if self.http is not None:
             await self.http.stop()
-        tasks = [*self._tasks, *self._inflight]
+        tasks = [*self._tasks, *self._inflight, *([self._listing] if self._listing else [])]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -226,13 +244,22 @@ class LookupService:
             except proto.MalformedMessage as exc:
                 await self._send(peer, exc.reply, "invalid")
                 continue
-            if len(self._inflight) >= MAX_INFLIGHT:
+            size = len(frames[1].buffer)
+            if (
+                len(self._inflight) >= MAX_INFLIGHT
+                or self._inflight_bytes + size > MAX_INFLIGHT_BYTES
+            ):
                 busy = proto.error_reply(msg.rid, ErrorCode.SHUTTING_DOWN, "busy")
                 await self._send(peer, busy, msg.__struct_config__.tag)
                 continue
             task = asyncio.create_task(self._handle(peer, msg))
             self._inflight.add(task)
-            task.add_done_callback(self._inflight.discard)
+            self._inflight_bytes += size
+            task.add_done_callback(lambda t, n=size: self._done(t, n))
+
+    def _done(self, task: asyncio.Task, size: int) -> None:
+        self._inflight.discard(task)
+        self._inflight_bytes -= size
 
     async def _handle(self, peer: bytes, msg: Any) -> None:
         op = msg.__struct_config__.tag
@@ -241,6 +268,8 @@ class LookupService:
             reply = await self._handlers[type(msg)](msg)
         except Unavailable as exc:
             reply = proto.error_reply(msg.rid, ErrorCode.UNAVAILABLE, str(exc))
+        except Refused as exc:
+            reply = proto.error_reply(msg.rid, ErrorCode.BAD_MESSAGE, str(exc))
         except Exception as exc:  # a bug: answer, log, keep serving
             log.exception("lookup request failed", op=op)
             reply = proto.error_reply(msg.rid, ErrorCode.INTERNAL, repr(exc))
@@ -273,6 +302,8 @@ class LookupService:
                     self._hello_done = True
                 return await conn.request(build(conn.next_rid()), expect)
             except ControllerError as exc:
+                if exc.code == cproto.ErrorCode.BAD_REQUEST:
+                    raise Refused(f"controller refused: {exc}") from None
                 if exc.code != cproto.ErrorCode.NO_HELLO:
                     raise Unavailable(f"controller refused: {exc}") from None
                 self._hello_done = False  # it restarted: say hello again, once
@@ -290,14 +321,28 @@ class LookupService:
         stale = now - self._workers_at > self.config.registry_refresh_s
         # An instance not seen yet may have just registered: re-read at once (but not
         # more than every 50 ms, so unknown ids cannot hammer the controller).
-        if stale or (instance_id not in self._workers and now - self._workers_at > 0.05):
+        unknown = instance_id not in self._workers
+        if stale or (unknown and (self._listing is not None or now - self._listed_at > 0.05)):
             self._fallbacks[op].inc()
-            reply = await self._ask_controller(cproto.ListWorkers, cproto.ListWorkersReply)
-            grouped: dict[str, list[Worker]] = {}
-            for w in reply.workers:
-                grouped.setdefault(w.instance_id, []).append(w)
-            self._workers, self._workers_at = grouped, time.monotonic()
+            if self._listing is None:
+                # One read for every request that finds the list stale meanwhile.
+                self._listed_at = now
+                self._listing = asyncio.create_task(self._list_workers())
+                self._listing.add_done_callback(self._listed)
+            await asyncio.shield(self._listing)
         return self._workers.get(instance_id, [])
+
+    async def _list_workers(self) -> None:
+        reply = await self._ask_controller(cproto.ListWorkers, cproto.ListWorkersReply)
+        grouped: dict[str, list[Worker]] = {}
+        for w in reply.workers:
+            grouped.setdefault(w.instance_id, []).append(w)
+        self._workers, self._workers_at = grouped, time.monotonic()
+
+    def _listed(self, task: asyncio.Task) -> None:
+        self._listing = None
+        if not task.cancelled():
+            task.exception()  # its waiters got it; none left must not log it as lost
 
     async def _prefix_counts(
         self, hashes: list[bytes], op: str, instance_id: str = ""
@@ -316,8 +361,16 @@ class LookupService:
         )
         return reply.instances, "controller"
 
-    def _hashes(self, tokens: bytes) -> list[bytes]:
-        return self._tokendb.chunk_hashes(wire.decode_tokens(tokens))
+    async def _hashes(self, tokens: bytes) -> list[bytes]:
+        if len(tokens) <= HASH_ON_LOOP_TOKENS * wire.TOKEN_BYTES:
+            return self._chunk_hashes(tokens)
+        return await asyncio.to_thread(self._chunk_hashes, tokens)
+
+    def _chunk_hashes(self, tokens: bytes) -> list[bytes]:
+        """The hashes of the prompt's first MAX_HASHES chunks: a prefix count needs no
+        more, and the controller takes no more."""
+        limit = proto.MAX_HASHES * self.config.chunk_size * wire.TOKEN_BYTES
+        return self._tokendb.chunk_hashes(wire.decode_tokens(memoryview(tokens)[:limit]))
 
     # -- handlers -----------------------------------------------------------------------
     async def _hello(self, msg: proto.Hello) -> proto.Reply:
@@ -349,10 +402,13 @@ class LookupService:
             hit = c.chunks * size if c else 0
             return proto.LookupReply(msg.rid, hit, [], c.l1_chunks * size if c else 0, source)
         world = max(w.world_size for w in workers)
-        endpoints = [""] * world
-        for w in workers:
-            if 0 <= w.rank < world:
-                endpoints[w.rank] = w.lookup_endpoint
+        ranks = {w.rank: w.lookup_endpoint for w in workers if 0 <= w.rank < world}
+        if len(ranks) < world:
+            # A rank not registered holds nothing: the answer is 0 without asking any,
+            # and a registered world_size (any number) costs nothing per rank.
+            log.debug("lookup of an instance missing ranks", ranks=len(ranks), world=world)
+            return proto.LookupReply(msg.rid, 0, [], 0, "workers")
+        endpoints = [ranks[r] for r in range(world)]
 
         def make(rid: int, deadline: float) -> wire.LookupPrefix:
             return wire.LookupPrefix(
@@ -364,8 +420,9 @@ class LookupService:
         replies, l1_tokens = await asyncio.gather(asked, l1)
         per_rank = [r.hit_tokens if isinstance(r, wire.LookupPrefixReply) else -1 for r in replies]
         hit = min(per_rank) if per_rank and min(per_rank) >= 0 else 0
-        if msg.pin and hit == 0 and any(h > 0 for h in per_rank):
+        if msg.pin and hit == 0 and any(h != 0 for h in per_rank):
             # Some rank lacks the prefix: the others' pins would hold memory for nothing.
+            # A rank that did not answer (-1) may have pinned after its deadline.
             log.debug("lookup pins released: not every rank holds the prefix")
             await self._release_on(endpoints, lookup_id)
         if l1_tokens >= 0:
@@ -375,9 +432,9 @@ class LookupService:
     async def _l1_tokens(self, msg: proto.Lookup) -> int:
         """The registry's view of the L1 part of the prefix; -1 when not known."""
         try:
-            hashes = self._hashes(msg.tokens)
+            hashes = await self._hashes(msg.tokens)
             counts, _ = await self._prefix_counts(hashes, "lookup", msg.instance_id)
-        except Unavailable:
+        except (Unavailable, Refused):
             return -1
         return counts[0].l1_chunks * self.config.chunk_size if counts else 0
 
@@ -398,7 +455,7 @@ class LookupService:
         return proto.ReleaseReply(msg.rid, sent)
 
     async def _best(self, msg: proto.BestInstances) -> proto.Reply:
-        hashes = msg.hashes or self._hashes(msg.tokens)
+        hashes = msg.hashes or await self._hashes(msg.tokens)
         size = self.config.chunk_size
         counts, source = await self._prefix_counts(hashes, "best")
         found = [

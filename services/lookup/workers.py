@@ -24,7 +24,11 @@ from kvmesh.common.transport.curve import CurveKeys, apply_client
 
 log = get_logger(__name__)
 
-MAX_ENDPOINTS = 4096
+# Below a ZMQ context's MAX_SOCKETS (set to this and a margin): past it a new socket
+# would fail. The least recently asked endpoint is closed to make room.
+MAX_ENDPOINTS = 1000
+IDLE_CLOSE_S = 600.0  # an endpoint not asked this long is closed (its worker is likely gone)
+SND_HWM = 16  # requests queued per worker here; a full queue waits within the deadline
 
 
 class _Conn:
@@ -32,13 +36,19 @@ class _Conn:
         self, ctx: zmq.asyncio.Context, endpoint: str, curve: CurveKeys | None = None
     ) -> None:
         sock = ctx.socket(zmq.DEALER)
-        sock.linger = 0
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        apply_client(sock, curve, endpoint)
-        sock.connect(endpoint)
+        try:
+            sock.linger = 0
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.SNDHWM, SND_HWM)
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            apply_client(sock, curve, endpoint)
+            sock.connect(endpoint)
+        except BaseException:  # a bad endpoint: not a socket left open for good
+            sock.close(0)
+            raise
         self.sock = sock
+        self.used = time.monotonic()
         self.pending: dict[int, asyncio.Future[wire.Reply]] = {}
         self.reader = asyncio.create_task(self._read(), name=f"lookup-worker {endpoint}")
 
@@ -53,11 +63,16 @@ class _Conn:
             if fut is not None and not fut.done():
                 fut.set_result(reply)
 
-    async def close(self) -> None:
+    def shut(self) -> None:
+        """Close the socket now (its reader ends at its next turn): the room it took in
+        the context is free at once."""
         self.reader.cancel()
+        self.sock.close(0)
+
+    async def close(self) -> None:
+        self.shut()
         with contextlib.suppress(asyncio.CancelledError):
             await self.reader
-        self.sock.close(0)
 
 
 class WorkerPool:
@@ -66,20 +81,32 @@ class WorkerPool:
     def __init__(self, curve: CurveKeys | None = None) -> None:
         self.curve = curve
         self._ctx = zmq.asyncio.Context()
+        self._ctx.set(zmq.MAX_SOCKETS, MAX_ENDPOINTS + 16)
         self._conns: dict[str, _Conn] = {}
         self._rids = itertools.count(1)
         self._closing: set[asyncio.Task] = set()
 
     def _conn(self, endpoint: str) -> _Conn:
-        conn = self._conns.get(endpoint)
+        now = time.monotonic()
+        conn = self._conns.pop(endpoint, None)
         if conn is None:
-            if len(self._conns) >= MAX_ENDPOINTS:  # workers come and go: forget the oldest
-                oldest = self._conns.pop(next(iter(self._conns)))
-                task = asyncio.get_running_loop().create_task(oldest.close())
-                self._closing.add(task)
-                task.add_done_callback(self._closing.discard)
-            conn = self._conns[endpoint] = _Conn(self._ctx, endpoint, self.curve)
+            self._forget(now)
+            conn = _Conn(self._ctx, endpoint, self.curve)
+        conn.used = now
+        self._conns[endpoint] = conn  # the most recently asked last
         return conn
+
+    def _forget(self, now: float) -> None:
+        """Workers come and go: close the least recently asked endpoints while there
+        is no room for one more, and those not asked for IDLE_CLOSE_S."""
+        while self._conns:
+            endpoint, oldest = next(iter(self._conns.items()))
+            if len(self._conns) < MAX_ENDPOINTS and now - oldest.used < IDLE_CLOSE_S:
+                return
+            del self._conns[endpoint]
+            oldest.shut()
+            self._closing.add(oldest.reader)
+            oldest.reader.add_done_callback(self._closing.discard)
 
     async def ask(
         self,
@@ -103,7 +130,11 @@ class WorkerPool:
     ) -> wire.Reply | None:
         if not endpoint:
             return None
-        conn = self._conn(endpoint)
+        try:
+            conn = self._conn(endpoint)
+        except zmq.ZMQError as exc:  # no socket to be had (a bad endpoint): a miss
+            log.warning("worker lookup not sent", endpoint=endpoint, error=str(exc))
+            return None
         rid = next(self._rids)
         fut: asyncio.Future[wire.Reply] = asyncio.get_running_loop().create_future()
         conn.pending[rid] = fut
@@ -132,7 +163,8 @@ class WorkerPool:
             payload = wire.encode(make(next(self._rids)))
             try:
                 await self._conn(endpoint).sock.send(payload, zmq.NOBLOCK)
-            except zmq.ZMQError:  # not connected: the worker's pin timeout releases
+            except zmq.ZMQError as exc:  # not connected: the worker's pin timeout releases
+                log.debug("worker release not sent", endpoint=endpoint, error=str(exc))
                 continue
             sent += 1
         return sent
@@ -141,4 +173,5 @@ class WorkerPool:
         conns, self._conns = list(self._conns.values()), {}
         for conn in conns:
             await conn.close()
+        await asyncio.gather(*self._closing, return_exceptions=True)
         self._ctx.term()

@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 MAX_FRAMES = 2  # routing id and the request
+# Requests read ahead per peer: lookups are served one at a time, and what waits beyond
+# this stays in the peer's process (TCP and ipc push back; its send times out there).
+RCV_HWM = 8
 
 
 class LookupServerError(RuntimeError):
@@ -125,8 +128,9 @@ class LookupServer:
         sock = ctx.socket(zmq.ROUTER)
         sock.linger = 0
         # Inside the engine's process (vLLM's): a peer's giant frame must not be
-        # buffered whole.
+        # buffered whole, nor many of them.
         sock.setsockopt(zmq.MAXMSGSIZE, proto.MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.RCVHWM, RCV_HWM)
         # CURVE on tcp only: an ipc endpoint is guarded by its directory's mode (0700).
         curve = self.engine.curve if self.endpoint.startswith("tcp://") else None
         guard = CurveGuard(ctx, curve, self.engine.stats.metrics, "worker")

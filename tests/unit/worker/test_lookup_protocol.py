@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -248,6 +249,42 @@ def test_a_frame_over_the_limit_costs_only_its_connection(served) -> None:
     p = prompt(8)
     eng.store(p, slots(8))
     assert client.lookup(p, "after-huge") == 8
+
+
+def test_a_busy_server_reads_few_requests_ahead_and_answers_each(served) -> None:
+    """While a lookup runs, a peer's next requests wait in the peer's process, not in the
+    engine's (RCVHWM): its sends stop being taken; every request it sent is answered."""
+    eng, server, _client = served
+    go = threading.Event()
+    lookup = eng.lookup
+
+    def busy(*args, **kw):
+        go.wait(10)
+        return lookup(*args, **kw)
+
+    eng.lookup = busy
+    sock = raw_dealer(server.endpoint)
+    sock.setsockopt(zmq.SNDHWM, 1)
+    tokens = proto.encode_tokens(range(1 << 18))  # 1 MiB
+    sent = 0
+    try:
+        while sent < 64:
+            try:
+                sock.send(
+                    proto.encode(proto.LookupPrefix(sent + 1, 1, "id", tokens, False)), zmq.NOBLOCK
+                )
+            except zmq.Again:
+                if not sock.poll(300, zmq.POLLOUT):
+                    break
+                continue
+            sent += 1
+        assert sent < 32
+        go.set()
+        rids = {proto.decode_reply(sock.recv()).rid for _ in range(sent)}
+        assert rids == set(range(1, sent + 1))
+    finally:
+        go.set()
+        sock.close(0)
 
 
 def test_dead_peer_is_zero_hits_within_the_deadline(ipc_dir: Path) -> None:
