@@ -5,7 +5,8 @@ GET /health, /healthz   200 and a JSON summary (the service's `health()`) while 
 
 HEAD works on each; any other method gets 405, any other path 404. aiohttp parses
 HTTP (keep-alive, pipelining, size limits), so no service carries an HTTP parser of
-its own; a slow client cannot hold the loop, aiohttp reads with its own timeouts.
+its own; a slow client cannot hold the loop, aiohttp reads with its own timeouts (an
+idle or half-sent connection is closed after KEEPALIVE_S).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from kvmesh.common.observability.metrics import Metrics
 PROMETHEUS_TYPE = "text/plain; version=0.0.4"
 HEALTH_PATHS = ("/health", "/healthz")
 SHUTDOWN_S = 1.0
+# Closes an idle connection, and one whose request head never completes (aiohttp's
+# default is an hour: enough such connections would use up the descriptors).
+KEEPALIVE_S = 5.0
 
 
 class ClientErrorLogger(logging.LoggerAdapter):
@@ -66,6 +70,9 @@ class ProbeServer:
             handle_signals=False,
             shutdown_timeout=SHUTDOWN_S,
             logger=ClientErrorLogger(),
+            keepalive_timeout=KEEPALIVE_S,
+            # No request body is read here: nothing to inflate on the loop.
+            auto_decompress=False,
         )
         await runner.setup()
         site = web.TCPSite(runner, self.host, port)

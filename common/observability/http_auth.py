@@ -59,7 +59,9 @@ def authorized(header: str | None, token: str) -> bool:
     scheme, _, given = (header or "").partition(" ")
     if scheme.lower() != "bearer":
         return False
-    return hmac.compare_digest(given.strip().encode(), token.encode())
+    # surrogateescape: aiohttp decodes header bytes that are not UTF-8 to lone
+    # surrogates, which a plain encode() refuses; such a token is just a wrong one.
+    return hmac.compare_digest(given.strip().encode(errors="surrogateescape"), token.encode())
 
 
 def refusal(header: str | None, token: str) -> str | None:

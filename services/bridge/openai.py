@@ -84,6 +84,8 @@ def parse_request(body: bytes, endpoint: Endpoint) -> dict[str, Any]:
         obj = _json_decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise BadRequest(400, f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest(400, "the body is not valid JSON: nested too deeply") from None
     if not isinstance(obj, dict):
         raise BadRequest(400, f"the body must be a JSON object, got {_json_type(obj)}")
     try:

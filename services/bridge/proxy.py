@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections.abc import Awaitable
 from typing import Any
 
 import aiohttp
@@ -52,9 +53,14 @@ SSE = "text/event-stream"
 _encoder = msgspec.json.Encoder()
 
 
-def error_response(status: int, message: str, param: str | None = None) -> web.Response:
+def error_response(
+    status: int, message: str, param: str | None = None, request_id: str = ""
+) -> web.Response:
     return web.Response(
-        status=status, body=error_json(status, message, param), content_type="application/json"
+        status=status,
+        body=error_json(status, message, param),
+        content_type="application/json",
+        headers={REQUEST_ID: request_id} if request_id else None,
     )
 
 
@@ -89,21 +95,24 @@ class Proxy:
         )
 
     async def serve(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        transfer_id = uuid.uuid4().hex
+        # The client's request id when it sent a usable one, else the transfer id: it
+        # goes to the prefiller and the decoder (vLLM names its request after it, and
+        # kvmesh's connector logs that name), back to the client (on the bridge's own
+        # refusals and failures too), and on every line logged here for the request.
+        request_id = client_request_id(request) or transfer_id
         try:
             body = parse_request(await self._read_body(request), endpoint)
         except BadRequest as exc:
             self.stats.request(endpoint, "bad_request")
-            log.info("request refused", endpoint=endpoint, status=exc.status, error=str(exc))
-            return error_response(exc.status, str(exc), exc.param)
+            log.info(
+                "request refused", endpoint=endpoint, status=exc.status, error=str(exc),
+                request_id=request_id,
+            )  # fmt: skip
+            return error_response(exc.status, str(exc), exc.param, request_id)
         if not self.decoders.backends:
             self.stats.request(endpoint, "no_decoder")
-            return error_response(503, "the bridge has no decoder configured")
-        transfer_id = uuid.uuid4().hex
-        # The client's request id when it sent a usable one, else the transfer id: it
-        # goes to the prefiller and the decoder (vLLM names its request after it, and
-        # kvmesh's connector logs that name), back to the client, and on every line
-        # logged here for the request.
-        request_id = client_request_id(request) or transfer_id
+            return error_response(503, "the bridge has no decoder configured", None, request_id)
         headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
         headers["Content-Type"] = "application/json"
         headers[REQUEST_ID] = request_id
@@ -324,7 +333,7 @@ class Proxy:
         except (TimeoutError, aiohttp.ClientError) as exc:
             if isinstance(exc, aiohttp.ClientConnectorError):
                 decoder.mark(False, describe(exc))
-            return self._decode_failed(endpoint, decoder, exc)
+            return self._decode_failed(endpoint, decoder, exc, headers[REQUEST_ID])
         decoder.mark(True)
         async with resp:
             outcome = "ok" if 200 <= resp.status < 300 else "decoder_status"
@@ -333,7 +342,7 @@ class Proxy:
                 try:
                     answer = await resp.read()
                 except (TimeoutError, aiohttp.ClientError) as exc:
-                    return self._decode_failed(endpoint, decoder, exc)
+                    return self._decode_failed(endpoint, decoder, exc, headers[REQUEST_ID])
                 self.stats.decode_ttfb.observe(time.perf_counter() - t0)
                 self.stats.request(endpoint, outcome)
                 log.debug("request answered", status=resp.status, outcome=outcome)
@@ -362,7 +371,7 @@ class Proxy:
         try:
             first = await anext(chunks, b"")
         except (TimeoutError, aiohttp.ClientError) as exc:
-            return self._decode_failed(endpoint, decoder, exc)
+            return self._decode_failed(endpoint, decoder, exc, request_id)
         self.stats.decode_ttfb.observe(time.perf_counter() - t0)
         content_type = resp.headers.get("Content-Type", SSE)
         out = web.StreamResponse(
@@ -373,37 +382,55 @@ class Proxy:
                 REQUEST_ID: request_id,
             },
         )
-        await out.prepare(request)
         try:
+            await self._send(request, out.prepare(request))
             if first:
-                await out.write(first)
+                await self._send(request, out.write(first))
             async for chunk in chunks:
-                await out.write(chunk)
-        except ConnectionResetError:
-            # The client went away; leaving `async with resp` drops the decoder's
-            # connection, which makes vLLM abort the request.
+                await self._send(request, out.write(chunk))
+        except ConnectionResetError as exc:
+            # The client went away (or stopped reading); leaving `async with resp`
+            # drops the decoder's connection, which makes vLLM abort the request.
             self.stats.request(endpoint, "cancelled")
-            log.info("client went away while streaming")
+            log.info("client went away while streaming", error=str(exc))
             return out
         except (TimeoutError, aiohttp.ClientError) as exc:
             # The status line is gone: say it in the stream, as vLLM does.
             status, outcome, message = self._failure(decoder, exc)
             log.warning("decoder failed while streaming", decoder=decoder.url, error=message)
+            event = b"data: " + error_json(status, message) + b"\n\n"
             with contextlib.suppress(ConnectionResetError):
-                await out.write(b"data: " + error_json(status, message) + b"\n\n")
+                await self._send(request, out.write(event))
         self.stats.request(endpoint, outcome)
         log.debug("request streamed", status=resp.status, outcome=outcome)
         with contextlib.suppress(ConnectionResetError):
-            await out.write_eof()
+            await self._send(request, out.write_eof())
         return out
 
+    async def _send(self, request: web.Request, write: Awaitable[object]) -> None:
+        """One write to the client, within decode_timeout_s. A client that stops reading
+        without closing would otherwise hold the write, the decoder's request and a
+        pooled connection for good (aiohttp stops the decoder-side read timer while
+        reading is paused). Past the deadline its connection is dropped, since nothing
+        queued for it could be delivered, and this raises ConnectionResetError as for a
+        client gone away."""
+        try:
+            async with asyncio.timeout(self.config.decode_timeout_s):
+                await write
+        except TimeoutError:
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError(
+                f"the client read nothing for {self.config.decode_timeout_s}s"
+            ) from None
+
     def _decode_failed(
-        self, endpoint: Endpoint, decoder: Backend, exc: BaseException
+        self, endpoint: Endpoint, decoder: Backend, exc: BaseException, request_id: str
     ) -> web.Response:
         status, outcome, message = self._failure(decoder, exc)
         self.stats.request(endpoint, outcome)
         log.warning("decode failed", decoder=decoder.url, status=status, error=message)
-        return error_response(status, message)
+        return error_response(status, message, None, request_id)
 
     def _failure(self, decoder: Backend, exc: BaseException) -> tuple[int, str, str]:
         if isinstance(exc, TimeoutError):
@@ -412,6 +439,14 @@ class Proxy:
         return 502, "decoder_failed", f"the decoder {decoder.url} failed: {describe(exc)}"
 
     async def _read_body(self, request: web.Request) -> bytes:
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding != "identity":
+            # Inflating is CPU work on the event loop, and a small body can inflate to
+            # gigabytes: the server does not decompress (auto_decompress=False), and a
+            # compressed body is refused before any of it is read.
+            raise BadRequest(
+                415, f"Content-Encoding {encoding!r} is not supported: send the body uncompressed"
+            )
         limit = int(self.config.max_body_bytes)
         too_large = f"the request body is over the bridge's limit of {limit} bytes"
         if request.content_length is not None and request.content_length > limit:

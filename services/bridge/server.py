@@ -132,12 +132,19 @@ class BridgeServer:
     async def _listen(self, app: web.Application, port: int) -> int:
         # handler_cancellation: a lost client's handler is cancelled, which closes the
         # backend connection and so aborts the request there too.
+        # keepalive_timeout: the only timer on a connection between requests, so also
+        # the deadline of a request head that never completes (aiohttp's default is an
+        # hour: a few thousand such connections would use up the descriptors).
+        # auto_decompress off: inflating is CPU work on the loop, unbounded by
+        # max_body_bytes; the proxy refuses compressed bodies (415).
         runner = web.AppRunner(
             app,
             handler_cancellation=True,
             access_log=None,
             shutdown_timeout=STOP_GRACE_S,
             logger=ClientErrorLogger(),
+            keepalive_timeout=self.config.request_timeout_s,
+            auto_decompress=False,
         )
         await runner.setup()
         site = web.TCPSite(runner, self.config.host, port, reuse_address=True)

@@ -5,6 +5,7 @@ good tokens and the open paths (/metrics, /health) count nothing."""
 
 from __future__ import annotations
 
+import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -80,3 +81,13 @@ def test_bridge_counts_each_refused_token(tmp_path: Path, token_file: Path) -> N
     proc.env[TOKEN_ENV] = str(token_file)
     with proc:
         check_counts(proc.url, "bridge", "/transfers", None)
+        # A token that is not UTF-8 is a wrong one, not a 500 (aiohttp hands such
+        # header bytes on as lone surrogates).
+        with socket.create_connection(("127.0.0.1", proc.port), timeout=30) as sock:
+            sock.sendall(
+                b"GET /transfers HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n"
+                b"Connection: close\r\n\r\n"
+            )
+            answer = sock.makefile("rb").read()
+        assert answer.startswith(b"HTTP/1.1 401"), answer[:300]
+        assert failures(proc.url, "bridge") == {"missing": 3, "wrong": 2}

@@ -61,6 +61,19 @@ def test_a_client_may_not_choose_the_transfer() -> None:
     assert exc.param == "kv_transfer_params" and "set by the bridge" in str(exc)
 
 
+def test_deeply_nested_bodies_are_refused_not_crashed_on() -> None:
+    # msgspec raises RecursionError, not DecodeError, past its nesting limit.
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for body, endpoint in (
+        (b'{"prompt": "x", "extra": ' + deep + b"}", "completions"),
+        (b'{"messages": [], "kv_transfer_params": {"kvmesh": {"a": ' + deep + b"}}}", "chat"),
+        (deep, "completions"),
+    ):
+        exc = refused(body, endpoint)
+        assert exc.status == 400 and exc.param is None
+        assert str(exc) == "the body is not valid JSON: nested too deeply"
+
+
 def test_valid_requests_come_back_whole() -> None:
     body = {
         "model": "m",
