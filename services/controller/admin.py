@@ -16,9 +16,15 @@ KEEP_EVENTS = 1000
 
 
 class AdminFanout:
-    def __init__(self, push: Callable[[bytes, proto.Command], bool], timeout_s: float) -> None:
+    def __init__(
+        self,
+        push: Callable[[bytes, proto.Command], bool],
+        timeout_s: float,
+        peer_of: Callable[[str], bytes | None] = lambda _worker_id: None,
+    ) -> None:
         self._push = push
         self.timeout_s = timeout_s
+        self._peer_of = peer_of  # a worker's current connection (it changes on reconnect)
         # From a random start each run: a late reply to a command of an earlier run
         # (a fetch may take an hour) then matches no command of this one.
         self._rids = itertools.count(secrets.randbits(62) + 1)
@@ -29,13 +35,17 @@ class AdminFanout:
 
     def on_reply(self, peer: bytes, msg: proto.CommandReply) -> bool:
         """Hand a worker's CommandReply to its waiter; False when none waits (late), or
-        when it comes from another connection or worker than the command went to (a
-        Move would otherwise remove chunks on someone else's word)."""
+        when it names another worker than the command went to or comes from a
+        connection that is not that worker's (a Move would otherwise remove chunks on
+        someone else's word). The worker's connection then or now: a long fetch may
+        end after the worker reconnected."""
         pending = self._pending.get(msg.rid)
         if pending is None:
             return False
         to_peer, worker_id, fut = pending
-        if to_peer != peer or worker_id != msg.worker_id or fut.done():
+        if worker_id != msg.worker_id or fut.done():
+            return False
+        if peer != to_peer and peer != self._peer_of(worker_id):
             return False
         fut.set_result(msg)
         return True

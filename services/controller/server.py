@@ -82,7 +82,7 @@ class ControllerServer:
         self.name = name
         self.stats = ControllerStats()
         self.registry = Registry()
-        self.fanout = AdminFanout(self.push, config.admin_timeout_s)
+        self.fanout = AdminFanout(self.push, config.admin_timeout_s, self._peer_of)
         self.feed = IndexFeed(
             self.registry,
             self.push,
@@ -119,6 +119,10 @@ class ControllerServer:
         self.port = 0
         self.restored_workers = 0
         self._writing: asyncio.Future[None] | None = None  # the snapshot write in a thread
+
+    def _peer_of(self, worker_id: str) -> bytes | None:
+        entry = self.registry.workers.get(worker_id)
+        return None if entry is None else entry.peer
 
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:

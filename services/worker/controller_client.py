@@ -58,6 +58,7 @@ class ControllerClient:
         # Full states being built or sent: events wait meanwhile, so none recorded after
         # the state's snapshot goes out numbered at or below the state's seq.
         self._states = 0
+        self._pinning = asyncio.Lock()  # pin and unpin commands, in arrival order
         self.registered = False
         self.registrations = 0
         self.resyncs = 0
@@ -253,7 +254,10 @@ class ControllerClient:
                 def pin() -> int:
                     return sum(act(ChunkKey.from_str(k)) for k in keys_in)
 
-                count = pin() if len(keys_in) <= KEYS_ON_LOOP else await offload.offload(pin)
+                # One at a time, in arrival order: a later unpin must not pass a large
+                # pin still running on its thread.
+                async with self._pinning:
+                    count = pin() if len(keys_in) <= KEYS_ON_LOOP else await offload.offload(pin)
             elif cmd.op == "health":
                 detail = {
                     "l1_chunks": len(l1),

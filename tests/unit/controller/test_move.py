@@ -165,6 +165,29 @@ def test_a_reply_from_another_connection_or_worker_confirms_nothing() -> None:
     assert (by["B/0"].ok, by["B/0"].error, by["B/1"].error) == (False, "timeout", "timeout")
 
 
+def test_a_reply_over_the_workers_new_connection_counts() -> None:
+    """A long fetch may end after its worker reconnected (a new routing id): its reply
+    comes over the connection the worker has now, and still counts; one over a
+    connection that is neither the old nor the current one does not."""
+    current = {"A/0": b"old"}
+
+    async def main() -> tuple[bool, bool, proto.CommandReply]:
+        sent: list[proto.Command] = []
+        fanout = AdminFanout(lambda peer, cmd: sent.append(cmd) or True, 1.0, peer_of=current.get)
+        worker = two_by_two().workers["A/0"]
+        worker.peer = b"old"
+        asked = asyncio.ensure_future(fanout.ask(worker, "e", "health"))
+        await asyncio.sleep(0)
+        current["A/0"] = b"new"  # re-registered meanwhile
+        answer = reply(sent[0], "A/0", count=7)
+        intruder = fanout.on_reply(b"intruder", answer)
+        renewed = fanout.on_reply(b"new", answer)
+        return intruder, renewed, await asked
+
+    intruder, renewed, got = asyncio.run(main())
+    assert (intruder, renewed, got.ok, got.count) == (False, True, True, 7)
+
+
 def test_command_rids_start_at_a_random_value_each_run() -> None:
     starts = set()
     for _ in range(3):

@@ -1,8 +1,10 @@
 """The worker's answers to controller commands do not hold the engine's loop: a Pin of
-many keys is parsed and applied on a thread (a few keys stay on the loop)."""
+many keys is parsed and applied on a thread (a few keys stay on the loop), and pins and
+unpins still apply in the order they came."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from types import SimpleNamespace
 
@@ -46,3 +48,36 @@ async def test_a_pin_of_many_keys_runs_off_the_loop() -> None:
     threads.clear()
     await client._execute(proto.Command(8, "e", "unpin", keys=many[:3]))
     assert sent[-1].count == 3 and threads == {loop_thread}
+
+
+async def test_an_unpin_does_not_pass_a_large_pin_on_its_thread() -> None:
+    pinned: set[ChunkKey] = set()
+
+    def pin(key: ChunkKey) -> bool:
+        pinned.add(key)
+        return True
+
+    def unpin(key: ChunkKey) -> bool:
+        pinned.discard(key)
+        return True
+
+    cfg = EngineControllerConfig(enabled=True, url="tcp://127.0.0.1:1")
+    engine = SimpleNamespace(
+        instance_id="w",
+        rank=0,
+        storage=SimpleNamespace(l1=SimpleNamespace(pin=pin, unpin=unpin)),
+        config=SimpleNamespace(controller=cfg),
+        events=KVEventBuffer(),
+        curve=None,
+    )
+    client = ControllerClient(engine, cfg)  # type: ignore[arg-type]
+    client._conn = SimpleNamespace(send=lambda reply: None)  # type: ignore[assignment]
+    many = [ChunkKey(NS, i.to_bytes(16, "big")).to_str() for i in range(64 * 256)]
+    # As the session loop runs commands: each its own task, in arrival order.
+    await asyncio.gather(
+        client._execute(proto.Command(1, "e", "pin", keys=many)),
+        # A few keys, so on the loop at once, the ones the pin's thread reaches last.
+        client._execute(proto.Command(2, "e", "unpin", keys=many[-3:])),
+    )
+    assert len(pinned) == len(many) - 3
+    assert not pinned & {ChunkKey.from_str(k) for k in many[-3:]}
