@@ -29,6 +29,7 @@ log = get_logger(__name__)
 MAX_ENDPOINTS = 1000
 IDLE_CLOSE_S = 600.0  # an endpoint not asked this long is closed (its worker is likely gone)
 SND_HWM = 16  # requests queued per worker here; a full queue waits within the deadline
+RELEASE_TIMEOUT_S = 1.0  # a release waits this long for room in a busy worker's queue
 
 
 class _Conn:
@@ -155,19 +156,23 @@ class WorkerPool:
     async def send_all(
         self, endpoints: list[str], make: Callable[[int], wire.ReleaseLookup]
     ) -> int:
-        """Fire and forget (releases): how many sockets took it at once."""
-        sent = 0
-        for endpoint in endpoints:
-            if not endpoint:
-                continue
+        """Releases, to every endpoint at once, each waiting up to RELEASE_TIMEOUT_S for
+        room in its worker's queue (a busy worker's queue holds only SND_HWM lookups);
+        how many were queued. One not queued leaves its pins to the worker's pin
+        timeout."""
+
+        async def send(endpoint: str) -> bool:
             payload = wire.encode(make(next(self._rids)))
             try:
-                await self._conn(endpoint).sock.send(payload, zmq.NOBLOCK)
-            except zmq.ZMQError as exc:  # not connected: the worker's pin timeout releases
-                log.debug("worker release not sent", endpoint=endpoint, error=str(exc))
-                continue
-            sent += 1
-        return sent
+                async with asyncio.timeout(RELEASE_TIMEOUT_S):
+                    await self._conn(endpoint).sock.send(payload)
+            except (zmq.ZMQError, TimeoutError) as exc:
+                log.info("worker release not sent", endpoint=endpoint, error=repr(exc))
+                return False
+            return True
+
+        sent = await asyncio.gather(*(send(e) for e in endpoints if e))
+        return sum(sent)
 
     async def close(self) -> None:
         conns, self._conns = list(self._conns.values()), {}

@@ -333,3 +333,46 @@ async def test_requests_past_the_in_flight_byte_budget_are_busy(
         sock.close(0)
         ctx.term()
         await svc.stop()
+
+
+async def test_a_release_waits_for_room_in_a_busy_workers_queue() -> None:
+    """A worker behind on its lookups: the pool's queue to it is full. A release waits
+    (briefly) for room instead of being dropped, so the worker's pins go."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.linger = 0
+    sock.setsockopt(zmq.RCVHWM, 1)
+    url = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+    pool = WorkerPool()
+    got: list[bytes] = []
+    try:
+        conn = pool._conn(url)
+        while not conn.sock.poll(100, zmq.POLLOUT):
+            pass  # connected
+        big = b"\0" * (1 << 20)
+        for _ in range(1000):  # fill what TCP and both queues hold
+            try:
+                await conn.sock.send(big, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        else:
+            pytest.fail("the queue never filled")
+
+        def drain() -> None:
+            time.sleep(0.3)  # the worker catches up
+            while sock.poll(1000):
+                got.append(sock.recv_multipart()[1])
+
+        reader = threading.Thread(target=drain)
+        reader.start()
+        sent = await pool.send_all(
+            [url], lambda rid: wire.ReleaseLookup(rid, wire.PROTOCOL_VERSION, "req-1")
+        )
+        await asyncio.to_thread(reader.join, 10)
+    finally:
+        await pool.close()
+        sock.close(0)
+        ctx.term()
+    assert sent == 1
+    released = [wire.decode_request([raw]) for raw in got if raw != big]
+    assert [(type(m).__name__, m.lookup_id) for m in released] == [("ReleaseLookup", "req-1")]
