@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -66,20 +66,30 @@ class LoopThread:
             raise RuntimeError("the engine's event loop is stopped")
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
-        """Run a coroutine on the loop and wait for it; on timeout it is cancelled."""
+    def run(
+        self,
+        coro: Coroutine[Any, Any, T],
+        timeout: float | None,
+        orphan: Callable[[T], None] | None = None,
+    ) -> T:
+        """Run a coroutine on the loop and wait for it; on timeout it is cancelled.
+
+        A result that was there when the wait ended is returned, though the future may
+        not say so yet (the loop marks it done a turn later). One that comes after it,
+        before the cancellation lands, goes to `orphan`: results that hold references
+        (a get's buffers) need someone to drop them."""
         if self.in_loop_thread():
             coro.close()
             raise RuntimeError("LoopThread.run called from the loop thread would deadlock")
-        fut = self.submit(coro)
+        handoff = _Handoff(orphan)
+        fut = self.submit(handoff.wrap(coro))
         try:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:
-            # cancel() fails only once the coroutine has finished (or is being marked
-            # finished): a result that made it is the caller's, and may hold references
-            # only the caller can drop.
-            if not fut.cancel() and fut.exception() is None:
-                return fut.result()
+            done, value = handoff.abandon()
+            if done:
+                return value  # type: ignore[return-value]
+            fut.cancel()
             raise TimeoutError(f"engine operation did not finish within {timeout}s") from None
 
     def call_soon(self, fn: Any, *args: Any) -> None:
@@ -92,3 +102,31 @@ class LoopThread:
             self._thread.join(timeout)
         if self._thread.is_alive():
             raise RuntimeError(f"event loop thread did not stop within {timeout}s")
+
+
+class _Handoff(Generic[T]):
+    """A coroutine's result, handed over once: to the caller while it waits, else to
+    `orphan`."""
+
+    def __init__(self, orphan: Callable[[T], None] | None) -> None:
+        self._orphan = orphan
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._done = False
+        self._value: T | None = None
+
+    async def wrap(self, coro: Coroutine[Any, Any, T]) -> T:
+        value = await coro
+        with self._lock:
+            abandoned = self._abandoned
+            if not abandoned:
+                self._done, self._value = True, value
+        if abandoned and self._orphan is not None:
+            self._orphan(value)
+        return value
+
+    def abandon(self) -> tuple[bool, T | None]:
+        """The caller gives up: (True, the result) if it was there already."""
+        with self._lock:
+            self._abandoned = True
+            return self._done, self._value

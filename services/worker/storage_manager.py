@@ -136,7 +136,7 @@ class StorageManager:
             deadline = time.monotonic() + self._io_timeout_s
             rest = self._lower_prefix(keys[len(objs) :], deadline)
             try:
-                more = self._loop.run(rest, self._io_timeout_s)
+                more = self._loop.run(rest, self._io_timeout_s, orphan=_drop_pairs)
             except TimeoutError:
                 # The gets still in flight are cancelled on the loop, which counts each
                 # as a timeout miss of the tier it was waiting on.
@@ -276,6 +276,11 @@ def _count_miss(tier: Tier, reason: MissReason) -> None:
 def _drop_all(objs: Sequence[MemoryObj]) -> None:
     for obj in objs:
         obj.ref_down()
+
+
+def _drop_pairs(pairs: list[tuple[MemoryObj, str]]) -> None:
+    """A waterfall's late result: the caller that would have dropped them gave up."""
+    _drop_all([obj for obj, _ in pairs])
 
 
 def _drop_fetched(task: asyncio.Future) -> None:

@@ -49,6 +49,12 @@ def without_wait(allocator: Allocator) -> Allocator:
     return allocator if allocate is None else _NoWait(allocate)
 
 
+def drop_late(obj: MemoryObj | None) -> None:
+    """A get's result that came after its caller gave up: its reference is nobody's."""
+    if obj is not None:
+        obj.ref_down()
+
+
 @runtime_checkable
 class Tier(Protocol):
     """One level of the cache. Methods may be called from any thread."""

@@ -35,7 +35,7 @@ from kvmesh.common.protocol.p2p import ChunkMeta
 from kvmesh.common.transport.channel import Landed, PeerError, TransferChannel
 from kvmesh.services.worker.loop_thread import LoopThread
 from kvmesh.services.worker.peer_locator import PeerLocator
-from kvmesh.services.worker.tiers.base import Allocator, without_wait
+from kvmesh.services.worker.tiers.base import Allocator, drop_late, without_wait
 from kvmesh.services.worker.tiers.misses import MissReason, TierMisses
 from kvmesh.services.worker.tiers.p2p_stats import P2PStats
 
@@ -282,7 +282,9 @@ class P2PTier:
         if self._loop.in_loop_thread():
             raise RuntimeError("P2PTier.get from the engine's loop: await aget instead")
         try:
-            return self._loop.run(self.aget(key, allocator), self.config.timeout_s + 1.0)
+            return self._loop.run(
+                self.aget(key, allocator), self.config.timeout_s + 1.0, orphan=drop_late
+            )
         except TimeoutError:
             return None
 

@@ -42,7 +42,7 @@ from kvmesh.common.observability import Metrics, get_logger
 from kvmesh.common.recent_keys import RecentKeys
 from kvmesh.common.transport.cacheserver_errors import CacheServerUnavailable
 from kvmesh.services.worker.loop_thread import LoopThread
-from kvmesh.services.worker.tiers.base import Allocator, without_wait
+from kvmesh.services.worker.tiers.base import Allocator, drop_late, without_wait
 from kvmesh.services.worker.tiers.misses import MissReason, TierMisses
 from kvmesh.services.worker.tiers.remote_codec import (
     available,
@@ -419,7 +419,9 @@ class RemoteTier:
         if self._loop.in_loop_thread():
             raise RuntimeError("RemoteTier.get from the engine's loop: await aget instead")
         try:
-            return self._loop.run(self.aget(key, allocator), self.config.timeout_s + 1.0)
+            return self._loop.run(
+                self.aget(key, allocator), self.config.timeout_s + 1.0, orphan=drop_late
+            )
         except TimeoutError:
             return None
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import threading
 import time
 import tracemalloc
@@ -111,37 +110,49 @@ def test_loop_thread_runs_and_times_out() -> None:
         lt.run(asyncio.sleep(0), timeout=1)
 
 
-def test_loop_thread_returns_a_result_that_lands_at_the_timeout() -> None:
+def test_loop_thread_returns_a_result_that_was_there_at_the_timeout() -> None:
+    """The coroutine returned before the deadline, but the loop was busy right after,
+    so its future is marked done only after the caller's wait ended: the result (for a
+    get, objects holding the caller's references) is returned, not dropped."""
     lt = LoopThread()
-    submit = lt.submit
 
-    def finishing_at_the_deadline(coro):
-        # The coroutine finishes just after the caller's wait ended: the first
-        # result() sees the timeout, though the result is already there.
-        fut = submit(coro)
-        result = fut.result
-        waited = []
+    async def op() -> list[str]:
+        await asyncio.sleep(0.05)
+        asyncio.get_running_loop().call_soon(time.sleep, 0.4)  # busy right after
+        return ["obj"]
 
-        def result_after_timeout(timeout=None):
-            if waited:
-                return result(timeout)
-            waited.append(True)
-            fut.exception(None)  # done, with a result or an error
-            raise concurrent.futures.TimeoutError
-
-        fut.result = result_after_timeout
-        return fut
-
-    lt.submit = finishing_at_the_deadline  # type: ignore[method-assign]
     try:
-        # A result that made it (for a get: objects holding the caller's references)
-        # is returned, not dropped.
-        assert lt.run(asyncio.sleep(0.01, result=["obj"]), timeout=0.001) == ["obj"]
+        assert lt.run(op(), timeout=0.2) == ["obj"]
+    finally:
+        lt.stop()
 
-        async def fails() -> None:
-            raise ValueError("late failure")
 
+def test_loop_thread_hands_a_result_after_the_timeout_to_orphan() -> None:
+    """The caller gave up while the coroutine was still running; it then returned
+    before the cancellation landed: its result goes to orphan, once."""
+    lt = LoopThread()
+    orphans: list[list[str]] = []
+
+    async def op() -> list[str]:
+        await asyncio.sleep(0.01)
+        time.sleep(0.3)  # noqa: ASYNC251 -- the loop busy past the caller's deadline
+        return ["obj"]
+
+    async def fails() -> list[str]:
+        await op()
+        raise ValueError("late failure")
+
+    try:
         with pytest.raises(TimeoutError):
-            lt.run(fails(), timeout=0.001)
+            lt.run(op(), timeout=0.1, orphan=orphans.append)
+        deadline = time.monotonic() + 5
+        while not orphans and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert orphans == [["obj"]]
+        with pytest.raises(TimeoutError):
+            lt.run(fails(), timeout=0.1, orphan=orphans.append)
+        time.sleep(0.4)  # it has failed by now: nothing to hand over
+        assert lt.run(asyncio.sleep(0, result=1), timeout=5, orphan=orphans.append) == 1
+        assert orphans == [["obj"]]
     finally:
         lt.stop()
