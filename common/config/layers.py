@@ -22,8 +22,11 @@ Key = tuple[str, ...]
 
 ENV_PREFIX = "KVMESH_"
 ENV_SEPARATOR = "__"
-# KVMESH_* variables that are about kvmesh but not config keys.
-ENV_RESERVED = frozenset({"KVMESH_CONFIG"})
+# KVMESH_* variables that are about kvmesh but not config keys: the CLI's own options
+# (`kvmesh admin`'s envvars) included, which a section prefix would take for a typo.
+ENV_RESERVED = frozenset(
+    {"KVMESH_CONFIG", "KVMESH_CONTROLLER_URL", "KVMESH_LOOKUP_URL", "KVMESH_BRIDGE_URL"}
+)
 
 
 def dotted(path: Key) -> str:

@@ -40,6 +40,28 @@ class RuleError(ValueError):
         self.related = related
 
 
+ZMQ_ENDPOINT_FORMS = "tcp://host:port or ipc://path"
+
+
+def is_zmq_endpoint(url: str) -> bool:
+    """Whether the sockets take url. Checked here because zmq refuses anything else
+    only at connect time, with a traceback."""
+    scheme, sep, rest = url.partition("://")
+    if sep and scheme == "ipc":
+        return bool(rest)
+    host, _, port = rest.rpartition(":")
+    return (
+        bool(sep and scheme == "tcp" and host and port.isdigit())
+        and int(port) <= 65535
+        and not any(c.isspace() for c in rest)
+    )
+
+
+def _check_zmq_endpoint(field: str, url: str, related: tuple[str, ...] = ()) -> None:
+    if not is_zmq_endpoint(url):
+        raise RuleError(field, f"expected {ZMQ_ENDPOINT_FORMS} (got {url!r})", related)
+
+
 class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Base for every config Struct: immutable, typo-proof, keyword-only."""
 
@@ -186,6 +208,10 @@ class EngineControllerConfig(_Section):
     event_batch: PositiveInt = 1024
     event_flush_s: PositiveSeconds = 0.05
 
+    def __post_init__(self) -> None:
+        if self.enabled:
+            _check_zmq_endpoint("url", self.url, ("enabled",))
+
 
 class P2PConfig(_Section):
     """The peer tier (L2): serve this engine's L1 to peers, read chunks from theirs."""
@@ -269,6 +295,14 @@ class EngineConfig(_Section):
     metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
+        # A {rank} is filled in per worker (common/protocol/lookup.engine_endpoint).
+        endpoint = self.lookup_endpoint.replace("{rank}", "0")
+        if endpoint and not is_zmq_endpoint(endpoint):
+            raise RuleError(
+                "lookup_endpoint",
+                f"expected {ZMQ_ENDPOINT_FORMS}, either may hold a {{rank}} "
+                f"(got {self.lookup_endpoint!r})",
+            )
         names = [t.tier_name for t in self.tiers]
         for name in names:
             if name in BUILTIN_TIER_NAMES or names.count(name) > 1:
@@ -351,6 +385,7 @@ class LookupConfig(_Section):
     index_snapshot_timeout_s: PositiveSeconds = 30.0
 
     def __post_init__(self) -> None:
+        _check_zmq_endpoint("controller_url", self.controller_url)
         # Pings at or past the staleness bound would let a healthy copy go stale
         # between two confirmations.
         if self.index_ping_s * 2 > self.index_max_staleness_s:
@@ -442,15 +477,16 @@ class BridgeConfig(_Section):
     host: str = "127.0.0.1"
     port: Port = 7630
     metrics_port: Port = 0
-    # Deadline of the bridge's small calls: backends' /health and /v1/models, and
-    # reading a client's request body.
+    # Deadline of the bridge's small calls: backends' /health and /v1/models, reading
+    # a client's request body, and a client connection with no request in progress.
     request_timeout_s: PositiveSeconds = 5.0
     prefillers: list[BackendConfig] = []
     decoders: list[DecoderConfig] = []
     # The whole prefill call, which returns once the KV has landed on the decoder;
     # past it the decoder prefills itself.
     prefill_timeout_s: PositiveSeconds = 30.0
-    # The decoder's first byte, and then each later read of its answer.
+    # The decoder's first byte, then each later read of its answer, and each write of
+    # a streamed answer to the client.
     decode_timeout_s: PositiveSeconds = 60.0
     # Larger request bodies are refused with 413.
     max_body_bytes: ByteSize = ByteSize("1MiB")
@@ -485,11 +521,7 @@ class BridgeConfig(_Section):
             self._check_lookup()
 
     def _check_lookup(self) -> None:
-        scheme, sep, rest = self.lookup_url.partition("://")
-        if not sep or scheme not in ("tcp", "ipc") or not rest:
-            raise RuleError(
-                "lookup_url", f"expected tcp://host:port or ipc://path (got {self.lookup_url!r})"
-            )
+        _check_zmq_endpoint("lookup_url", self.lookup_url)
         # Without its id a backend could never be matched to a cache hit: refuse the
         # config rather than route by load alone without saying so.
         seen: dict[str, str] = {}

@@ -8,6 +8,7 @@ metric name in one global registry would fail.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import sys
 import threading
@@ -196,9 +197,54 @@ class _ProbeApp:
 
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
-    """One thread per request, none of which keeps the process alive at exit."""
+    """One thread per request, none of which keeps the process alive at exit.
+
+    The server may face a network (metrics_host 0.0.0.0): at most `max_handlers`
+    requests at once, each cut after `request_deadline_s` in all. The handler's
+    timeout bounds each read only, so a client sending a byte at a time would
+    otherwise hold its thread for ever, and enough of them the process."""
 
     daemon_threads = True
+    max_handlers = 32
+    request_deadline_s = 20.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(self.max_handlers)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            # Refused at once, from the accepting thread: a fresh socket's send buffer
+            # takes these few bytes without blocking.
+            with contextlib.suppress(OSError):
+                request.sendall(_BUSY)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        # shutdown, not close: the handler's blocked read or write returns, and the fd
+        # stays the handler's to close (a closed one could be reused under it).
+        cut = threading.Timer(self.request_deadline_s, _shut, (request,))
+        cut.daemon = True
+        cut.start()
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            cut.cancel()
+            self._slots.release()
+
+
+_BUSY = b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+
+def _shut(request: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        request.shutdown(socket.SHUT_RDWR)
 
 
 class _QuietHandler(WSGIRequestHandler):

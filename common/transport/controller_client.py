@@ -61,8 +61,14 @@ class ControllerConnection:
         sock.setsockopt(zmq.SNDHWM, 10_000)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        apply_client(sock, self.curve, self.url)
-        sock.connect(self.url)
+        try:
+            apply_client(sock, self.curve, self.url)
+            sock.connect(self.url)
+        except Exception:
+            # A malformed URL raises here: the socket is not ours yet, so close() would
+            # not close it and the context's term() would wait for it forever.
+            sock.close(linger=0)
+            raise
         self._sock = sock
         self._reader = asyncio.create_task(self._read_forever(), name="controller-conn-reader")
         if hello:
@@ -77,7 +83,7 @@ class ControllerConnection:
         return next(self._rids)
 
     async def close(self) -> None:
-        """Cancel the reader, then close the socket, then the context."""
+        """Cancel the reader, then close the socket, then the context (never blocks)."""
         if self._reader is not None:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -88,7 +94,9 @@ class ControllerConnection:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
-        self._ctx.term()
+        # destroy, not term: term() waits for every socket of the context, so one left
+        # open anywhere would hang the event loop here.
+        self._ctx.destroy(linger=0)
 
     def send(self, msg: Any) -> bool:
         """Send without waiting for a reply (KV events, command replies); False when the

@@ -126,10 +126,14 @@ class KvEventsSubscriber:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, RCVHWM)
-        apply_client(sub, self.curve, self.events_url)
-        for ns in self.namespaces or ("",):
-            sub.setsockopt(zmq.SUBSCRIBE, ns.encode())
-        sub.connect(self.events_url)
+        try:
+            apply_client(sub, self.curve, self.events_url)
+            for ns in self.namespaces or ("",):
+                sub.setsockopt(zmq.SUBSCRIBE, ns.encode())
+            sub.connect(self.events_url)
+        except Exception:  # a malformed URL: no socket left for term() to wait on
+            sub.close(linger=0)
+            raise
         self._sub = sub
         if self.since is not None:
             # Subscribed first: what is published while the replay runs arrives on the
@@ -141,7 +145,7 @@ class KvEventsSubscriber:
             if sock is not None:
                 sock.close(linger=0)
         self._sub = self._dealer = None
-        self._ctx.term()
+        self._ctx.destroy(linger=0)  # term() would wait for a socket left open anywhere
 
     async def __aenter__(self) -> Self:
         await self.connect()
@@ -272,8 +276,12 @@ class KvEventsSubscriber:
         if self._dealer is None:
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
-            apply_client(dealer, self.curve, self.replay_url)
-            dealer.connect(self.replay_url)
+            try:
+                apply_client(dealer, self.curve, self.replay_url)
+                dealer.connect(self.replay_url)
+            except Exception:
+                dealer.close(linger=0)
+                raise
             self._dealer = dealer
         return self._dealer
 

@@ -59,8 +59,12 @@ class LookupServiceClient:
         # Queue nothing for a server that is not connected: a request sent while it is
         # down times out here instead of reaching it, stale, once it is back.
         sock.immediate = True
-        apply_client(sock, self.curve, self.url)
-        sock.connect(self.url)
+        try:
+            apply_client(sock, self.curve, self.url)
+            sock.connect(self.url)
+        except Exception:  # a malformed URL: no socket left for term() to wait on
+            sock.close(0)
+            raise
         self._sock = sock
         self._reader = asyncio.create_task(self._read())
         return self
@@ -72,7 +76,8 @@ class LookupServiceClient:
                 await self._reader
         if self._sock is not None:
             self._sock.close(0)
-        self._ctx.term()
+            self._sock = None
+        self._ctx.destroy(linger=0)  # term() would wait for a socket left open anywhere
 
     async def _read(self) -> None:
         assert self._sock is not None

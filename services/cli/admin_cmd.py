@@ -25,7 +25,9 @@ from typing import Any
 
 import click
 import msgspec
+import zmq
 
+from kvmesh.common.config.schema import ZMQ_ENDPOINT_FORMS, is_zmq_endpoint
 from kvmesh.common.protocol import controller as proto
 from kvmesh.common.transport.controller_client import (
     ControllerConnection,
@@ -35,7 +37,16 @@ from kvmesh.common.transport.controller_client import (
 from kvmesh.services.cli.serving import load_security, load_service_config
 
 EXIT_FAILED = 1
+EXIT_BAD_URL = 2
 EXIT_UNREACHABLE = 3
+
+
+def _zmq_url(_ctx: click.Context, _param: click.Parameter, url: str) -> str:
+    # Checked before any socket exists: a connect() zmq refuses leaves one behind that
+    # a client's close() could wait for.
+    if not is_zmq_endpoint(url):
+        raise click.BadParameter(f"expected {ZMQ_ENDPOINT_FORMS} (got {url!r})")
+    return url
 
 
 @click.group("admin")
@@ -43,10 +54,13 @@ EXIT_UNREACHABLE = 3
     "--url",
     envvar="KVMESH_CONTROLLER_URL",
     default="tcp://127.0.0.1:7600",
+    callback=_zmq_url,
     show_default=True,
     help="The controller's ZMQ endpoint (env KVMESH_CONTROLLER_URL).",
 )
-@click.option("--timeout", "timeout_s", type=float, default=10.0, show_default=True)
+@click.option(
+    "--timeout", "timeout_s", type=click.FloatRange(min=0), default=10.0, show_default=True
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.option(
     "--config",
@@ -89,6 +103,15 @@ def _call(ctx: click.Context, build: Any, expect: type, extra_s: float = 0.0) ->
     except ControllerError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_FAILED)
+    except zmq.ZMQError as exc:
+        _bad_url("--url", ctx.obj["url"], exc)
+
+
+def _bad_url(option: str, url: str, exc: zmq.ZMQError) -> None:
+    """Exit 2 for an endpoint zmq refuses to connect to (it checks the form only)."""
+    why = zmq.strerror(exc.errno)
+    click.echo(f"error: {option} {url!r}: {why}; expected tcp://host:port or ipc://path", err=True)
+    sys.exit(EXIT_BAD_URL)
 
 
 def _workers(ctx: click.Context) -> list[proto.WorkerInfo]:
@@ -302,6 +325,7 @@ def _read_tokens(spec: str) -> list[int]:
     "--lookup-url",
     envvar="KVMESH_LOOKUP_URL",
     default="tcp://127.0.0.1:7610",
+    callback=_zmq_url,
     show_default=True,
     help="The lookup-server (env KVMESH_LOOKUP_URL).",
 )
@@ -334,6 +358,8 @@ def lookup(ctx: click.Context, tokens: str, instance: str, lookup_url: str, look
     except LookupServiceError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_FAILED)
+    except zmq.ZMQError as exc:
+        _bad_url("--lookup-url", lookup_url, exc)
     if instance:
         if ctx.obj["json"]:
             click.echo(json.dumps(msgspec.structs.asdict(result)))
@@ -373,6 +399,10 @@ def transfers(ctx: click.Context, bridge_url: str, as_json: bool) -> None:
         sys.exit(EXIT_UNREACHABLE)
     except BridgeError as exc:
         click.echo(f"error: {exc}", err=True)
+        sys.exit(EXIT_FAILED)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        # A 200 that is not the bridge's list: another server on that port, or a proxy.
+        click.echo(f"error: {bridge_url} did not answer with a transfer list: {exc}", err=True)
         sys.exit(EXIT_FAILED)
     if as_json or ctx.obj["json"]:
         click.echo(json.dumps([msgspec.structs.asdict(i) for i in infos]))

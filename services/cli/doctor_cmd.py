@@ -34,6 +34,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Any
+from urllib.parse import urlsplit
 
 import click
 import psutil
@@ -185,10 +186,26 @@ async def _tcp(host: str, port: int, timeout_s: float) -> dict[str, Any]:
     return {}
 
 
-def _host_port(rest: str) -> tuple[str, int]:
+# The port a remote URL without one means (the client libraries' own defaults).
+DEFAULT_PORTS = {"redis": 6379, "rediss": 6379, "redis-cluster": 6379}
+
+
+def _host_port(scheme: str, rest: str) -> tuple[str, int]:
+    """The first server of a remote URL (`rest`: what follows `scheme://`); ValueError
+    when it names no port and the scheme has no default."""
     hostport = rest.split("/", 1)[0].split(",", 1)[0].rsplit("@", 1)[-1]
-    host, _, port = hostport.rpartition(":")
-    return host.strip("[]") or "127.0.0.1", int(port)
+    parts = urlsplit(f"//{hostport}")
+    port = parts.port or DEFAULT_PORTS.get(scheme.lower())
+    if port is None:
+        raise ValueError(f"no port in {scheme}://{rest}")
+    return parts.hostname or "127.0.0.1", port
+
+
+async def _tcp_url(scheme: str, rest: str, timeout_s: float) -> dict[str, Any]:
+    # Parsed here, not while the targets are listed: timed() turns a bad URL into a
+    # failed check instead of a traceback.
+    host, port = _host_port(scheme, rest)
+    return await _tcp(host, port, timeout_s)
 
 
 def _zmq_endpoint(url: str) -> str:
@@ -230,9 +247,13 @@ async def check_reach(cfg: KvmeshConfig, timeout_s: float, curve: CurveKeys | No
         elif scheme == "fs":
             targets.append(("engine.remote.url", e.remote.url, "fail", lambda: _fs(rest)))
         else:
-            host, port = _host_port(rest)
             targets.append(
-                ("engine.remote.url", e.remote.url, "fail", lambda: _tcp(host, port, timeout_s))
+                (
+                    "engine.remote.url",
+                    e.remote.url,
+                    "fail",
+                    lambda: _tcp_url(scheme, rest, timeout_s),
+                )
             )
     if cfg.bridge.lookup_url:
         u = cfg.bridge.lookup_url
@@ -337,7 +358,7 @@ def run_doctor(path: str | None, timeout_s: float) -> list[Check]:
 @click.option(
     "--timeout",
     "timeout_s",
-    type=float,
+    type=click.FloatRange(min=0),
     default=1.0,
     show_default=True,
     help="Deadline of each network probe, seconds.",

@@ -23,6 +23,7 @@ from typing import Any
 
 import click
 import msgspec
+import zmq
 
 from kvmesh.common.protocol import kv_events as kv
 from kvmesh.common.transport.kv_events_client import Delivery, KvEventsSubscriber, Lost
@@ -37,6 +38,10 @@ def _host(controller: str | None, config_host: str) -> str:
             "give the host only; the ports are --events-port and --replay-port",
             param_hint="--controller",
         )
+    if any(c.isspace() for c in host):
+        # Refused here rather than by zmq's connect(), whose failure leaves a socket
+        # open that the subscriber's close() would wait for.
+        raise click.BadParameter(f"{host!r} is not a host name", param_hint="--controller")
     # A controller bound to every address is reached on loopback from its own host.
     return "127.0.0.1" if host in ("", "0.0.0.0", "*", "::") else host
 
@@ -103,8 +108,10 @@ def _print(item: Delivery | Lost, as_json: bool) -> None:
 @click.option("--since", type=int, default=None, help="First replay every message after SEQ.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per message.")
 @click.option("--limit", type=int, default=0, help="Stop after this many messages (0 = never).")
-@click.option("--duration", type=float, default=0.0, help="Stop after SECONDS (0 = never).")
-@click.option("--replay-timeout", type=float, default=5.0, show_default=True)
+@click.option(
+    "--duration", type=click.FloatRange(min=0), default=0.0, help="Stop after SECONDS (0 = never)."
+)
+@click.option("--replay-timeout", type=click.FloatRange(min=0), default=5.0, show_default=True)
 @click.option(
     "--config",
     "config_file",
@@ -146,14 +153,20 @@ def events(
         )
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--namespace") from None
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_follow(sub, as_json, limit, duration))
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(_follow(sub, as_json, limit, duration))
+    except zmq.ZMQError as exc:
+        # zmq checks only the endpoint's form on connect: the host is what can be wrong.
+        raise click.BadParameter(
+            f"{sub.events_url}: {zmq.strerror(exc.errno)}", param_hint="--controller"
+        ) from None
 
 
 async def _follow(sub: KvEventsSubscriber, as_json: bool, limit: int, duration: float) -> None:
     printed = 0
-    await sub.connect()
     try:
+        await sub.connect()
         async with asyncio.timeout(duration if duration > 0 else None):
             async for item in sub:
                 _print(item, as_json)

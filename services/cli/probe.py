@@ -12,13 +12,26 @@ from __future__ import annotations
 
 import socket
 import sys
+import threading
 import urllib.error
 import urllib.request
 from urllib.parse import urlsplit
 
 
 def probe(url: str, timeout_s: float) -> str | None:
-    """None when the service at url answers in time, else why not (one line)."""
+    """None when the service at url answers in time, else why not (one line).
+
+    timeout_s bounds the whole check: urllib's timeout is per socket read, so a server
+    dripping its answer would hold it for as long as it drips. The attempt runs on a
+    daemon thread, left behind past the deadline: the callers exit right after."""
+    result: list[str | None] = []
+    attempt = threading.Thread(target=lambda: result.append(_attempt(url, timeout_s)), daemon=True)
+    attempt.start()
+    attempt.join(timeout_s)
+    return result[0] if result else f"{url}: no complete answer in {timeout_s:g}s"
+
+
+def _attempt(url: str, timeout_s: float) -> str | None:
     parts = urlsplit(url)
     try:
         if parts.scheme == "tcp":

@@ -11,7 +11,9 @@ from kvmesh.services.cli.probe import probe
 
 @click.command("probe")
 @click.argument("url")
-@click.option("--timeout", "timeout_s", type=float, default=2.0, show_default=True)
+@click.option(
+    "--timeout", "timeout_s", type=click.FloatRange(min=0), default=2.0, show_default=True
+)
 def probe_cmd(url: str, timeout_s: float) -> None:
     """Exit 0 if URL answers (http(s):// with a 2xx, or tcp://host:port accepting)."""
     why = probe(url, timeout_s)

@@ -5,21 +5,33 @@ service until SIGTERM or Ctrl-C, and write a ready file once it serves."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import json
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import click
+import zmq
 
 from kvmesh.common.config import ConfigError, KvmeshConfig, load_config
 from kvmesh.common.observability import configure_logging
 from kvmesh.common.observability.http_auth import read_http_token
 from kvmesh.common.transport.curve import CurveKeys, load_curve
 
+EXIT_FAILED = 1
 EXIT_INVALID = 2
+# Start failures that mean the configured address (port in use, host not local or
+# unknown) is wrong: exit 2, as for any other config problem.
+_ADDRESS_ERRNOS = frozenset(
+    {errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES, errno.EINVAL, errno.ENODEV}
+    | {socket.EAI_NONAME}
+)
+STOP_AFTER_FAILED_START_S = 5.0
 
 
 class Service(Protocol):
@@ -71,16 +83,26 @@ def run_service(
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(_serve(make, ready_file, ready_info))
+    asyncio.run(_serve(name, make, ready_file, ready_info))
 
 
 async def _serve(
+    name: str,
     make: Callable[[], Service],
     ready_file: str | None,
     ready_info: Callable[[Any], dict[str, Any]],
 ) -> None:
     service = make()
-    await service.start()
+    try:
+        await service.start()
+    except (OSError, zmq.ZMQError) as exc:
+        # What did start (a ROUTER bound before the HTTP port failed) must not outlive it.
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(STOP_AFTER_FAILED_START_S):
+                await service.stop()
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        click.echo(f"error: cannot start {name}: {why}", err=True)
+        sys.exit(EXIT_INVALID if exc.errno in _ADDRESS_ERRNOS else EXIT_FAILED)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(service.stop()))

@@ -437,11 +437,13 @@ def _parse_metrics(values: tuple[str, ...]) -> dict[str, str]:
     help="NAME=URL of another /metrics page to read, e.g. a worker engine's "
     "(engine.metrics_port); repeatable.",
 )
-@click.option("--timeout", "timeout_s", type=float, default=2.0, show_default=True)
+@click.option(
+    "--timeout", "timeout_s", type=click.FloatRange(min=0), default=2.0, show_default=True
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (one object per refresh).")
 @click.option(
     "--watch",
-    type=float,
+    type=click.FloatRange(min=0),
     default=0.0,
     help="Refresh every SECONDS until ctrl-C (0: once).",
 )
