@@ -48,6 +48,39 @@ class ClientErrorLogger(logging.LoggerAdapter):
         super().exception(msg, *args, exc_info=exc_info, **kw)
 
 
+async def start_app(
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    keepalive_s: float,
+    shutdown_s: float,
+    handler_cancellation: bool = False,
+) -> tuple[web.AppRunner, int]:
+    """Serve app on host:port (0: any free port); the runner (`cleanup()` stops it) and
+    the port. What every kvmesh HTTP server shares: no access log, unparseable requests
+    logged on one line, bodies never inflated (a small compressed body could cost the
+    loop seconds), and idle or half-sent connections closed after keepalive_s."""
+    runner = web.AppRunner(
+        app,
+        access_log=None,
+        handle_signals=False,
+        shutdown_timeout=shutdown_s,
+        logger=ClientErrorLogger(),
+        keepalive_timeout=keepalive_s,
+        auto_decompress=False,
+        handler_cancellation=handler_cancellation,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, runner.addresses[0][1]
+
+
 class ProbeServer:
     """`/metrics` and `/health` on host:port; build, `await start(port)`, `await stop()`."""
 
@@ -64,27 +97,9 @@ class ProbeServer:
         """Listen on port (0: any free one, then in `port`)."""
         app = web.Application()
         app.router.add_route("*", "/{path:.*}", self._handle)
-        runner = web.AppRunner(
-            app,
-            access_log=None,
-            handle_signals=False,
-            shutdown_timeout=SHUTDOWN_S,
-            logger=ClientErrorLogger(),
-            keepalive_timeout=KEEPALIVE_S,
-            # No request body is read here: nothing to inflate on the loop.
-            auto_decompress=False,
+        self._runner, self.port = await start_app(
+            app, self.host, port, keepalive_s=KEEPALIVE_S, shutdown_s=SHUTDOWN_S
         )
-        await runner.setup()
-        site = web.TCPSite(runner, self.host, port)
-        try:
-            await site.start()
-        except OSError:
-            await runner.cleanup()
-            raise
-        self._runner = runner
-        server = site._server  # aiohttp keeps the bound socket there only
-        assert server is not None
-        self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
     async def stop(self) -> None:
         runner, self._runner = self._runner, None

@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvmesh.common.config.schema import BridgeConfig
 from kvmesh.common.observability import get_logger
-from kvmesh.common.observability.http import ClientErrorLogger
+from kvmesh.common.observability.http import start_app
 from kvmesh.common.observability.http_auth import BearerAuth
 from kvmesh.common.transport.curve import CurveKeys
 from kvmesh.services.bridge.backends import Backend, BackendPool, describe, probe_all
@@ -131,26 +131,18 @@ class BridgeServer:
 
     async def _listen(self, app: web.Application, port: int) -> int:
         # handler_cancellation: a lost client's handler is cancelled, which closes the
-        # backend connection and so aborts the request there too.
-        # keepalive_timeout: the only timer on a connection between requests, so also
-        # the deadline of a request head that never completes (aiohttp's default is an
-        # hour: a few thousand such connections would use up the descriptors).
-        # auto_decompress off: inflating is CPU work on the loop, unbounded by
-        # max_body_bytes; the proxy refuses compressed bodies (415).
-        runner = web.AppRunner(
+        # backend connection and so aborts the request there too. Compressed bodies
+        # are not inflated (start_app); the proxy refuses them (415).
+        runner, port = await start_app(
             app,
+            self.config.host,
+            port,
+            keepalive_s=self.config.request_timeout_s,
+            shutdown_s=STOP_GRACE_S,
             handler_cancellation=True,
-            access_log=None,
-            shutdown_timeout=STOP_GRACE_S,
-            logger=ClientErrorLogger(),
-            keepalive_timeout=self.config.request_timeout_s,
-            auto_decompress=False,
         )
-        await runner.setup()
-        site = web.TCPSite(runner, self.config.host, port, reuse_address=True)
-        await site.start()
         self._runners.append(runner)
-        return runner.addresses[0][1]
+        return port
 
     def _add_probes(self, app: web.Application) -> None:
         app.router.add_get("/health", self._health)

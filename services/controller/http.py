@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from aiohttp import web
 
-from kvmesh.common.observability.http import ClientErrorLogger
+from kvmesh.common.observability.http import start_app
 from kvmesh.common.observability.http_auth import BearerAuth, needs_token
 from kvmesh.common.protocol import controller as proto
 
@@ -61,26 +61,9 @@ class AdminHttp:
     async def start(self, port: int) -> None:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_route("*", "/{path:.*}", self._handle)
-        runner = web.AppRunner(
-            app,
-            access_log=None,
-            handle_signals=False,
-            shutdown_timeout=SHUTDOWN_S,
-            keepalive_timeout=KEEPALIVE_S,
-            auto_decompress=False,
-            logger=ClientErrorLogger(),
+        self._runner, self.port = await start_app(
+            app, self.host, port, keepalive_s=KEEPALIVE_S, shutdown_s=SHUTDOWN_S
         )
-        await runner.setup()
-        site = web.TCPSite(runner, self.host, port, reuse_address=True)
-        try:
-            await site.start()
-        except OSError:
-            await runner.cleanup()
-            raise
-        self._runner = runner
-        server = site._server  # aiohttp keeps the bound socket there only
-        assert server is not None
-        self.port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
     async def stop(self) -> None:
         runner, self._runner = self._runner, None
