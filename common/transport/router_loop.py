@@ -114,7 +114,13 @@ class RouterLoop:
             secure(sock)
         if monitor_events:
             self.monitor = sock.get_monitor_socket(monitor_events)
-        self.port = bind_tcp(sock, host, port)
+        try:
+            self.port = bind_tcp(sock, host, port)
+        except BaseException:
+            if self.monitor is not None:
+                self.monitor.close(linger=0)
+                self.monitor = None
+            raise
         self._sock = sock
         loop = asyncio.get_running_loop()
         loop.add_reader(sock.getsockopt(zmq.FD), self._on_readable)
@@ -242,12 +248,17 @@ class RouterLoop:
 
 
 def bind_tcp(sock: zmq.Socket, host: str, port: int) -> int:
-    """Bind sock on tcp host:port (port 0: any free one); the port bound."""
+    """Bind sock on tcp host:port (port 0: any free one); the port bound. A failed bind
+    closes sock: no caller keeps it, and its context's term() would wait for it."""
     endpoint = f"tcp://{_zmq_host(host)}"
-    if port:
-        sock.bind(f"{endpoint}:{port}")
-        return port
-    return sock.bind_to_random_port(endpoint)
+    try:
+        if port:
+            sock.bind(f"{endpoint}:{port}")
+            return port
+        return sock.bind_to_random_port(endpoint)
+    except BaseException:
+        sock.close(linger=0)
+        raise
 
 
 def _zmq_host(host: str) -> str:

@@ -191,7 +191,9 @@ class CacheServer:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.guard is not None:
             await asyncio.to_thread(self.guard.close)
-        self._ctx.term()
+        # destroy, not term: after a failed start a socket may be left open, and
+        # term() would wait for it on the loop for ever.
+        self._ctx.destroy(linger=0)
         if self.store.spill is not None:
             self.store.spill.close()
         log.info("cacheserver stopped")

@@ -119,6 +119,7 @@ class ControllerServer:
         self.port = 0
         self.restored_workers = 0
         self._writing: asyncio.Future[None] | None = None  # the snapshot write in a thread
+        self._served = False  # start() finished
 
     def _peer_of(self, worker_id: str) -> bytes | None:
         entry = self.registry.workers.get(worker_id)
@@ -153,6 +154,7 @@ class ControllerServer:
             if entry.restored:  # silent since now, not since the snapshot was loaded
                 entry.last_seen = now
         self._update_gauges()
+        self._served = True
         log.info(
             "controller ready",
             port=self.port,
@@ -172,7 +174,9 @@ class ControllerServer:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self.config.snapshot_path:
+        if self.config.snapshot_path and self._served:
+            # Not for a controller that never served: a port in use most likely means
+            # another one runs on this config, and its snapshot is not ours to replace.
             if self._writing is not None:  # cancelled housekeeping's write runs on
                 await asyncio.gather(self._writing, return_exceptions=True)
             await self.save_snapshot()
@@ -183,7 +187,9 @@ class ControllerServer:
             self.events_pub.close()
         if self.guard is not None:
             await asyncio.to_thread(self.guard.close)
-        self._ctx.term()
+        # destroy, not term: after a failed start a socket may be left open, and
+        # term() would wait for it on the loop for ever.
+        self._ctx.destroy(linger=0)
         log.info("controller stopped")
         self._closed.set()
 

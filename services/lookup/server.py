@@ -199,7 +199,9 @@ class LookupService:
             self._sock = None
         if self.guard is not None:
             await asyncio.to_thread(self.guard.close)
-        self._ctx.term()
+        # destroy, not term: after a failed start a socket may be left open, and
+        # term() would wait for it on the loop for ever.
+        self._ctx.destroy(linger=0)
         log.info("lookup-server stopped")
         self._closed.set()
 
@@ -424,7 +426,11 @@ class LookupService:
             # Some rank lacks the prefix: the others' pins would hold memory for nothing.
             # A rank that did not answer (-1) may have pinned after its deadline.
             log.debug("lookup pins released: not every rank holds the prefix")
-            await self._release_on(endpoints, lookup_id)
+            # In the background: the answer does not wait for a rank that is down or
+            # behind (a release may wait a second for room in its queue).
+            task = asyncio.create_task(self._release_on(endpoints, lookup_id))
+            self._inflight.add(task)
+            task.add_done_callback(self._inflight.discard)
         if l1_tokens >= 0:
             l1_tokens = min(l1_tokens, hit)
         return proto.LookupReply(msg.rid, hit, per_rank, l1_tokens, "workers")

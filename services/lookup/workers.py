@@ -158,8 +158,8 @@ class WorkerPool:
     ) -> int:
         """Releases, to every endpoint at once, each waiting up to RELEASE_TIMEOUT_S for
         room in its worker's queue (a busy worker's queue holds only SND_HWM lookups);
-        how many were queued. One not queued leaves its pins to the worker's pin
-        timeout."""
+        how many were queued. One not queued (the worker is down or far behind)
+        leaves its pins to the worker's pin timeout."""
 
         async def send(endpoint: str) -> bool:
             payload = wire.encode(make(next(self._rids)))
@@ -167,7 +167,7 @@ class WorkerPool:
                 async with asyncio.timeout(RELEASE_TIMEOUT_S):
                     await self._conn(endpoint).sock.send(payload)
             except (zmq.ZMQError, TimeoutError) as exc:
-                log.info("worker release not sent", endpoint=endpoint, error=repr(exc))
+                log.debug("worker release not sent", endpoint=endpoint, error=repr(exc))
                 return False
             return True
 

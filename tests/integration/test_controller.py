@@ -308,7 +308,7 @@ def test_admin_fan_out_http_api_and_cli(controller) -> None:
         took = time.monotonic() - t0
         assert status == 200
         res = {r["worker_id"]: r for r in cleared["results"] if r["worker_id"].startswith("F")}
-        assert (res["FA/0"]["ok"], res["FA/0"]["count"]) == (True, 2)  # 2 of 4 were pinned
+        assert (res["FA/0"]["ok"], res["FA/0"]["count"]) == (True, 2), res  # 2 of 4 were pinned
         assert (res["FB/0"]["ok"], res["FB/0"]["count"]) == (True, 3)
         assert (res["FZ/0"]["ok"], res["FZ/0"]["error"]) == (False, "timeout")
         assert 1.5 < took < 4.0, took  # bounded by the per-worker deadline (2 s)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -135,6 +138,31 @@ def test_a_port_in_use_is_one_line_and_stops_what_started(capsys) -> None:
     # The ROUTER it had bound before the HTTP port failed is closed again.
     with socket.socket() as s:
         s.bind(("127.0.0.1", router))
+
+
+@pytest.mark.parametrize("module", ["controller", "lookup", "cacheserver"])
+def test_a_zmq_port_in_use_is_one_line_not_a_hang(module: str, tmp_path) -> None:
+    """The ROUTER's own port taken: the bind fails with the socket not kept, and a
+    stop that waited for every socket of the context would never return. Also: the
+    controller that never served leaves the snapshot at its path alone (most likely the
+    running controller's)."""
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    snapshot = tmp_path / "snap"
+    snapshot.write_bytes(b"not ours")
+    env = {**os.environ, "KVMESH_CONTROLLER__SNAPSHOT_PATH": str(snapshot)}
+    try:
+        cmd = [sys.executable, "-m", f"kvmesh.services.{module}"]
+        cmd += ["--port", str(busy.getsockname()[1])]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    finally:
+        busy.close()
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr
+    assert err[-1].startswith(f"error: cannot start {module}: ") and "in use" in err[-1]
+    assert "Traceback" not in done.stderr
+    assert snapshot.read_bytes() == b"not ours"
 
 
 def test_probe_is_bounded_by_its_timeout_as_a_whole() -> None:

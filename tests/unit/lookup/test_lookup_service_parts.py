@@ -206,6 +206,34 @@ async def test_a_rank_that_answers_late_is_released() -> None:
         worker_ep.close()
 
 
+async def test_a_down_rank_does_not_hold_up_the_answer() -> None:
+    """Rank 1 is down (nothing listens): rank 0's pins are released, and the answer
+    does not wait for that release to find room on the dead rank's socket."""
+
+    def answer(raw: bytes) -> list[tuple[float, bytes]]:
+        msg = wire.decode_request([raw])
+        if isinstance(msg, wire.LookupPrefix):
+            return [(0.0, wire.encode(wire.LookupPrefixReply(msg.rid, 256)))]
+        return []
+
+    up = StandIn(answer)
+    svc = service(worker_timeout_s=0.2)
+    fixed_workers(svc, [worker(0, 2, up.url), worker(1, 2, "tcp://127.0.0.1:9")])
+    try:
+        msg = proto.Lookup(7, 1, "i", "req-1", wire.encode_tokens(range(512)), [], True, "")
+        t0 = time.monotonic()
+        reply = await svc._lookup_in(msg, "req-1")
+        took = time.monotonic() - t0
+        assert (reply.hit_tokens, reply.per_rank) == (0, [256, -1])
+        assert took < 0.2 + workers_mod.RELEASE_TIMEOUT_S / 2, took
+        await wait_until(lambda: len(up.seen) >= 2, 2, "a release")
+        kinds = [type(wire.decode_request([raw])).__name__ for raw in up.seen]
+        assert kinds == ["LookupPrefix", "ReleaseLookup"]
+    finally:
+        await svc._pool.close()
+        up.close()
+
+
 async def test_an_instance_missing_ranks_is_0_without_asking() -> None:
     """Its registered world_size (any number) costs nothing per rank."""
     svc = service()
