@@ -1,8 +1,9 @@
-"""One rank of the MLA broadcast test: `python -m kvtest.mla_rank RANK PORT OUT`.
+"""One rank of the MLA broadcast tests: `python -m kvtest.mla_rank RANK PORT OUT [MODE]`.
 
 Both ranks build the same source cache from a fixed seed. Only rank 0 stores; both
-retrieve into fresh caches, rank 1 receiving the chunks by broadcast. Each rank writes
-what it checked to OUT as JSON.
+load into fresh caches, rank 1 receiving the chunks by broadcast. MODE `retrieve` (the
+default) loads with `retrieve`, in windows of two chunks; `layerwise` with
+`retrieve_layer` after a pinning lookup. Each rank writes what it checked to OUT as JSON.
 """
 
 from __future__ import annotations
@@ -20,7 +21,20 @@ from kvmesh.services.worker.engine import KVEngine
 from .paged import bits, make_cache, slot_tokens
 
 
-def main(rank: int, port: int, out: str) -> None:
+def _load_layerwise(eng: KVEngine, prompt: list[int], slots: torch.Tensor) -> dict:
+    assert eng.lookup(prompt, "req") == (40 if eng.rank == 0 else 0)
+    gen = eng.retrieve_layer(prompt, slots, lookup_id="req")
+    steps = 0
+    try:
+        while True:
+            next(gen)
+            steps += 1
+    except StopIteration as stop:
+        loaded = stop.value
+    return {"loaded": loaded, "steps": steps, "layers": eng.layout.num_layers}
+
+
+def main(rank: int, port: int, out: str, mode: str = "retrieve") -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(1234)  # the same source KV, tokens and slots on both ranks
     view, layers, kind = make_cache("mla", torch.bfloat16, True, blocks=16, block_size=4)
@@ -37,18 +51,22 @@ def main(rank: int, port: int, out: str) -> None:
             "mla", torch.bfloat16, False, blocks=16, block_size=4
         )
         eng.register_kv_caches(fresh_view)
-        loaded = eng.retrieve(prompt, dst_slots)
-        n = int(loaded.sum())
+        if mode == "layerwise":
+            result = _load_layerwise(eng, prompt, dst_slots)
+        else:
+            result = {"loaded": eng.retrieve(prompt, dst_slots)}
+        n = int(result["loaded"].sum())
         want = slot_tokens(layers, kind)[:, src_slots[:n]]
         got = slot_tokens(fresh_layers, kind)[:, dst_slots[:n]]
-        result = {
-            "rank": rank,
-            "namespace": eng.namespace.ns_id,
-            "stored": stored,
-            "loaded": n,
-            "l1_chunks": len(eng.storage.l1),
-            "equal": bool(torch.equal(bits(got), bits(want))),
-        }
+        result.update(
+            rank=rank,
+            namespace=eng.namespace.ns_id,
+            stored=stored,
+            loaded=n,
+            l1_chunks=len(eng.storage.l1),
+            pinned=len(eng.pins),
+            equal=bool(torch.equal(bits(got), bits(want))),
+        )
     finally:
         eng.close()
         dist.destroy_process_group()
@@ -57,4 +75,4 @@ def main(rank: int, port: int, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], *sys.argv[4:5])
