@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from types import SimpleNamespace
 
 from kvmesh.common.config import EngineControllerConfig
@@ -18,6 +19,27 @@ from kvmesh.services.worker.events import KVEventBuffer
 NS = "0123456789abcdef"
 
 
+def client_of(
+    pin: Callable[[ChunkKey], bool],
+    unpin: Callable[[ChunkKey], bool],
+    send: Callable[[proto.CommandReply], object],
+) -> ControllerClient:
+    """A worker's controller client over an L1 of pin and unpin, its replies to send:
+    only the command handling is real (no engine, no controller)."""
+    cfg = EngineControllerConfig(enabled=True, url="tcp://127.0.0.1:1")
+    engine = SimpleNamespace(
+        instance_id="w",
+        rank=0,
+        storage=SimpleNamespace(l1=SimpleNamespace(pin=pin, unpin=unpin)),
+        config=SimpleNamespace(controller=cfg),
+        events=KVEventBuffer(),
+        curve=None,
+    )
+    client = ControllerClient(engine, cfg)  # type: ignore[arg-type]
+    client._conn = SimpleNamespace(send=send)  # type: ignore[assignment]
+    return client
+
+
 async def test_a_pin_of_many_keys_runs_off_the_loop() -> None:
     threads: set[int] = set()
 
@@ -26,17 +48,7 @@ async def test_a_pin_of_many_keys_runs_off_the_loop() -> None:
         return True
 
     sent: list[proto.CommandReply] = []
-    cfg = EngineControllerConfig(enabled=True, url="tcp://127.0.0.1:1")
-    engine = SimpleNamespace(
-        instance_id="w",
-        rank=0,
-        storage=SimpleNamespace(l1=SimpleNamespace(pin=pin, unpin=pin)),
-        config=SimpleNamespace(controller=cfg),
-        events=KVEventBuffer(),
-        curve=None,
-    )
-    client = ControllerClient(engine, cfg)  # type: ignore[arg-type]
-    client._conn = SimpleNamespace(send=sent.append)  # type: ignore[assignment]
+    client = client_of(pin, pin, sent.append)
     loop_thread = threading.get_ident()
     many = [ChunkKey(NS, i.to_bytes(16, "big")).to_str() for i in range(4 * 256)]
     assert len(many) > controller_client.KEYS_ON_LOOP
@@ -61,17 +73,7 @@ async def test_an_unpin_does_not_pass_a_large_pin_on_its_thread() -> None:
         pinned.discard(key)
         return True
 
-    cfg = EngineControllerConfig(enabled=True, url="tcp://127.0.0.1:1")
-    engine = SimpleNamespace(
-        instance_id="w",
-        rank=0,
-        storage=SimpleNamespace(l1=SimpleNamespace(pin=pin, unpin=unpin)),
-        config=SimpleNamespace(controller=cfg),
-        events=KVEventBuffer(),
-        curve=None,
-    )
-    client = ControllerClient(engine, cfg)  # type: ignore[arg-type]
-    client._conn = SimpleNamespace(send=lambda reply: None)  # type: ignore[assignment]
+    client = client_of(pin, unpin, lambda reply: None)
     many = [ChunkKey(NS, i.to_bytes(16, "big")).to_str() for i in range(64 * 256)]
     # As the session loop runs commands: each its own task, in arrival order.
     await asyncio.gather(
