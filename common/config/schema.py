@@ -51,8 +51,8 @@ def is_zmq_endpoint(url: str) -> bool:
         return bool(rest)
     host, _, port = rest.rpartition(":")
     return (
-        bool(sep and scheme == "tcp" and host and port.isdigit())
-        and int(port) <= 65535
+        bool(sep and scheme == "tcp" and host and port.isascii() and port.isdigit())
+        and 0 < int(port) <= 65535
         and not any(c.isspace() for c in rest)
     )
 
@@ -296,7 +296,7 @@ class EngineConfig(_Section):
 
     def __post_init__(self) -> None:
         # A {rank} is filled in per worker (common/protocol/lookup.engine_endpoint).
-        endpoint = self.lookup_endpoint.replace("{rank}", "0")
+        endpoint = self.lookup_endpoint.replace("{rank}", "1")
         if endpoint and not is_zmq_endpoint(endpoint):
             raise RuleError(
                 "lookup_endpoint",

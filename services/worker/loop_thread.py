@@ -81,6 +81,9 @@ class LoopThread:
         if self.in_loop_thread():
             coro.close()
             raise RuntimeError("LoopThread.run called from the loop thread would deadlock")
+        if not self.running:
+            coro.close()  # never started: not a "never awaited" warning at shutdown
+            raise RuntimeError("the engine's event loop is stopped")
         handoff = _Handoff(orphan)
         fut = self.submit(handoff.wrap(coro))
         try:

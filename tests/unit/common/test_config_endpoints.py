@@ -42,6 +42,8 @@ def test_section_typos_are_still_reported() -> None:
         ("engine.controller.url", "tcp://bad host:7600"),
         ("lookup.controller_url", "ctl-host:7600"),
         ("lookup.controller_url", "tcp://h:99999"),
+        ("lookup.controller_url", "tcp://h:0"),  # nothing to connect to
+        ("lookup.controller_url", "tcp://h:\u00b2"),  # a digit to isdigit(), not to int()
         ("lookup.controller_url", "http://h:7600"),
         ("engine.lookup_endpoint", "nope"),
         ("engine.lookup_endpoint", "ipc://"),

@@ -89,6 +89,17 @@ def test_event_buffer_sequence_and_bound() -> None:
     assert buf.drain() == []
 
 
+def test_loop_thread_closes_what_it_cannot_run() -> None:
+    """A stopped loop (an engine closing) refuses work: the coroutine it was handed is
+    closed, not left to warn "never awaited"."""
+    lt = LoopThread()
+    lt.stop()
+    coro = asyncio.sleep(0)
+    with pytest.raises(RuntimeError, match="stopped"):
+        lt.run(coro, timeout=1)
+    assert coro.cr_frame is None  # closed
+
+
 def test_loop_thread_runs_and_times_out() -> None:
     lt = LoopThread()
     try:
