@@ -18,19 +18,12 @@ from kvmesh.common.config import EngineConfig, L1Config
 from kvmesh.services.worker import mla
 from kvmesh.services.worker.engine import KVEngine
 
-from .paged import bits, make_cache, slot_tokens
+from .paged import bits, drain_counting, make_cache, slot_tokens
 
 
 def _load_layerwise(eng: KVEngine, prompt: list[int], slots: torch.Tensor) -> dict:
     assert eng.lookup(prompt, "req") == (40 if eng.rank == 0 else 0)
-    gen = eng.retrieve_layer(prompt, slots, lookup_id="req")
-    steps = 0
-    try:
-        while True:
-            next(gen)
-            steps += 1
-    except StopIteration as stop:
-        loaded = stop.value
+    loaded, steps = drain_counting(eng.retrieve_layer(prompt, slots, lookup_id="req"))
     return {"loaded": loaded, "steps": steps, "layers": eng.layout.num_layers}
 
 

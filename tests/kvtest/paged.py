@@ -97,8 +97,15 @@ def slot_tokens(layers: list[torch.Tensor], kind: KVKind) -> torch.Tensor:
 
 def drain(gen: Generator) -> Any:
     """Step a layer-by-layer generator (a store or retrieve) to its end; its return value."""
-    while True:
-        try:
+    return drain_counting(gen)[0]
+
+
+def drain_counting(gen: Generator) -> tuple[Any, int]:
+    """As drain, with how many times the generator yielded (one step a layer)."""
+    steps = 0
+    try:
+        while True:
             next(gen)
-        except StopIteration as stop:
-            return stop.value
+            steps += 1
+    except StopIteration as stop:
+        return stop.value, steps

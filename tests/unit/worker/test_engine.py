@@ -6,11 +6,10 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Generator
 
 import pytest
 import torch
-from kvtest.paged import DTYPES, SPECS, bits, make_cache, slot_tokens
+from kvtest.paged import DTYPES, SPECS, bits, drain, drain_counting, make_cache, slot_tokens
 
 from kvmesh.common.config import EngineConfig, L1Config
 from kvmesh.common.keys import ChunkKey
@@ -38,18 +37,6 @@ def engine_for(view, cfg: EngineConfig | None = None, **kw) -> KVEngine:
     return KVEngine("t", 0, cfg or config(), view, **kw)
 
 
-def drain(gen: Generator) -> object:
-    """Step a layerwise generator to its end; its return value."""
-    steps = 0
-    try:
-        while True:
-            next(gen)
-            steps += 1
-    except StopIteration as stop:
-        drain.steps = steps  # type: ignore[attr-defined]
-        return stop.value
-
-
 def tokens(n: int, seed: int = 0) -> list[int]:
     return torch.randint(0, 50_000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -73,8 +60,9 @@ def test_round_trip_is_bitwise_exact(spec: str, dtype: torch.dtype, layerwise: b
     eng = engine_for(src_view)
     try:
         if layerwise:
-            assert drain(eng.store_layer(prompt, src_slots)) == 24
-            assert drain.steps == eng.layout.num_layers - 1  # one yield between layers
+            stored, steps = drain_counting(eng.store_layer(prompt, src_slots))
+            assert stored == 24
+            assert steps == eng.layout.num_layers - 1  # one yield between layers
         else:
             assert eng.store(prompt, src_slots) == 24
         assert eng.lookup(prompt, "req") == 24
