@@ -9,9 +9,11 @@ metric name in one global registry would fail.
 from __future__ import annotations
 
 import contextlib
+import selectors
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from socketserver import ThreadingMixIn
 from typing import Any
@@ -202,23 +204,23 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
     The server may face a network (metrics_host 0.0.0.0): at most `max_handlers`
     requests at once, each cut after `request_deadline_s` in all. The handler's
     timeout bounds each read only, so a client sending a byte at a time would
-    otherwise hold its thread for ever, and enough of them the process."""
+    otherwise hold its thread for ever, and enough of them the process. A client
+    over the cap gets a 503 (see `_Refuser`)."""
 
     daemon_threads = True
     max_handlers = 32
+    # socketserver's default backlog of 5 made a burst of scrapes wait a SYN resend (1 s).
+    request_queue_size = 128
     request_deadline_s = 20.0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._slots = threading.BoundedSemaphore(self.max_handlers)
+        self._refuser = _Refuser()
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
-            # Refused at once, from the accepting thread: a fresh socket's send buffer
-            # takes these few bytes without blocking.
-            with contextlib.suppress(OSError):
-                request.sendall(_BUSY)
-            self.shutdown_request(request)
+            self._refuser.refuse(request)
             return
         try:
             super().process_request(request, client_address)
@@ -238,8 +240,152 @@ class _ThreadingServer(ThreadingMixIn, WSGIServer):
             cut.cancel()
             self._slots.release()
 
+    def server_close(self) -> None:
+        super().server_close()
+        self._refuser.close()
+
 
 _BUSY = b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+
+class _Refuser:
+    """Answers the clients over the handler cap with a 503 they can read.
+
+    Closing a socket whose request bytes are unread (or arrive after the close) makes
+    Linux send RST, and a client still writing its request then fails with EPIPE or
+    ECONNRESET instead of reading the 503. So the accepting thread only writes the
+    503 and shuts the write side (a fresh socket's send buffer takes those bytes
+    without blocking), and one daemon thread reads and drops what the client sends
+    until its EOF, `linger_s` or `max_drain` bytes, then closes. At most
+    `max_pending` such sockets at once: one more is closed at once, as a flood past
+    that bound is not a scraper to be polite to."""
+
+    max_pending = 64
+    linger_s = 1.0
+    max_drain = 65536
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._new: list[socket.socket] = []
+        self._pending = 0
+        self._closed = False
+        # Made at the first refusal: most servers never refuse anyone.
+        self._thread: threading.Thread | None = None
+        self._wake: tuple[socket.socket, socket.socket] | None = None
+
+    def refuse(self, request: socket.socket) -> None:
+        """Called on the accepting thread; never waits."""
+        with contextlib.suppress(OSError):
+            request.sendall(_BUSY)
+            request.shutdown(socket.SHUT_WR)
+        with self._lock:
+            keep = not self._closed and self._pending < self.max_pending and self._started()
+            if keep:
+                self._pending += 1
+                self._new.append(request)
+        if not keep:
+            request.close()
+            return
+        self._poke()
+
+    def close(self) -> None:
+        """Closes every socket still draining, and ends the thread."""
+        with self._lock:
+            self._closed = True
+        self._poke()
+        if self._thread is not None:
+            self._thread.join(5.0)
+
+    def _started(self) -> bool:
+        """Whether the thread runs, started now if need be (under self._lock)."""
+        if self._thread is not None:
+            return True
+        try:
+            if self._wake is None:
+                self._wake = socket.socketpair()
+                for s in self._wake:
+                    s.setblocking(False)
+            thread = threading.Thread(target=self._run, name="kvmesh-metrics-refuser", daemon=True)
+            thread.start()
+        except (OSError, RuntimeError):
+            # No fd or thread to spare: this client is closed at once, as before.
+            return False
+        self._thread = thread
+        return True
+
+    def _poke(self) -> None:
+        if self._wake is not None:
+            # A full pipe (BlockingIOError) means the thread has wake-ups waiting already.
+            with contextlib.suppress(OSError):
+                self._wake[1].send(b"\0")
+
+    def _run(self) -> None:
+        assert self._wake is not None
+        wake_r, wake_w = self._wake
+        sel = selectors.DefaultSelector()
+        sel.register(wake_r, selectors.EVENT_READ)
+        draining: dict[socket.socket, list[float]] = {}  # sock -> [deadline, bytes read]
+        try:
+            while True:
+                now = time.monotonic()
+                wait = max(0.0, min(d for d, _ in draining.values()) - now) if draining else None
+                for key, _ in sel.select(wait):
+                    sock = key.fileobj
+                    if sock is wake_r:
+                        with contextlib.suppress(OSError):
+                            wake_r.recv(4096)
+                        continue
+                    assert isinstance(sock, socket.socket)
+                    try:
+                        data = sock.recv(16384)
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        data = b""
+                    draining[sock][1] += len(data)
+                    if not data or draining[sock][1] >= self.max_drain:
+                        self._drop(sel, draining, sock)
+                with self._lock:
+                    new, self._new = self._new, []
+                    closed = self._closed
+                deadline = time.monotonic() + self.linger_s
+                for sock in new:
+                    draining[sock] = [deadline, 0.0]
+                    try:
+                        sock.setblocking(False)
+                        sel.register(sock, selectors.EVENT_READ)
+                    except (OSError, ValueError):
+                        self._drop(sel, draining, sock)
+                now = time.monotonic()
+                for sock in [s for s, (d, _) in draining.items() if closed or d <= now]:
+                    self._drop(sel, draining, sock)
+                if closed:
+                    return
+        finally:
+            # Whatever ended the thread, later refusals close at once (no one drains).
+            with self._lock:
+                self._closed = True
+                for sock in self._new:
+                    draining.setdefault(sock, [0.0, 0.0])
+                self._new = []
+            for sock in list(draining):
+                self._drop(sel, draining, sock)
+            sel.close()
+            wake_r.close()
+            wake_w.close()
+
+    def _drop(
+        self,
+        sel: selectors.BaseSelector,
+        draining: dict[socket.socket, list[float]],
+        sock: socket.socket,
+    ) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            sel.unregister(sock)
+        draining.pop(sock, None)
+        sock.close()
+        with self._lock:
+            self._pending -= 1
 
 
 def _shut(request: socket.socket) -> None:

@@ -11,17 +11,19 @@
     kvmesh admin transfers [--bridge URL]        requests in flight through a bridge
 
 Admin commands print one result per worker and exit 1 when any worker failed or
-timed out, 3 when the controller (or the bridge, lookup-server) did not answer.
+timed out (or zmq failed, e.g. no file descriptor left), 2 for a URL zmq refuses, 3
+when the controller (or the bridge, lookup-server) did not answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 import msgspec
@@ -39,6 +41,14 @@ from kvmesh.services.cli.serving import load_security, load_service_config
 EXIT_FAILED = 1
 EXIT_BAD_URL = 2
 EXIT_UNREACHABLE = 3
+
+# What libzmq's connect() raises for an endpoint it cannot parse or route to a
+# transport (pyzmq 27 / libzmq 4.3: "tcp://-:1", "tcp://*:1" EINVAL, an ipc:// path
+# over the socket-address limit ENAMETOOLONG, another scheme EPROTONOSUPPORT or
+# ENOCOMPATPROTO). Any other errno (EMFILE, ETERM, ...) is not the URL's fault.
+BAD_URL_ERRNOS = frozenset(
+    {errno.EINVAL, errno.ENAMETOOLONG, errno.EPROTONOSUPPORT, zmq.ENOCOMPATPROTO}
+)
 
 
 def _zmq_url(_ctx: click.Context, _param: click.Parameter, url: str) -> str:
@@ -104,14 +114,20 @@ def _call(ctx: click.Context, build: Any, expect: type, extra_s: float = 0.0) ->
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_FAILED)
     except zmq.ZMQError as exc:
-        _bad_url("--url", ctx.obj["url"], exc)
+        _zmq_failed("--url", ctx.obj["url"], exc)
 
 
-def _bad_url(option: str, url: str, exc: zmq.ZMQError) -> None:
-    """Exit 2 for an endpoint zmq refuses to connect to (it checks the form only)."""
+def _zmq_failed(option: str, url: str, exc: zmq.ZMQError) -> NoReturn:
+    """Exit 2 for an endpoint zmq refuses to connect to (it checks the form only);
+    exit 1 with zmq's own words for anything else, such as no file descriptor left."""
     why = zmq.strerror(exc.errno)
-    click.echo(f"error: {option} {url!r}: {why}; expected tcp://host:port or ipc://path", err=True)
-    sys.exit(EXIT_BAD_URL)
+    if exc.errno in BAD_URL_ERRNOS:
+        click.echo(
+            f"error: {option} {url!r}: {why}; expected tcp://host:port or ipc://path", err=True
+        )
+        sys.exit(EXIT_BAD_URL)
+    click.echo(f"error: zmq: {why}", err=True)
+    sys.exit(EXIT_FAILED)
 
 
 def _workers(ctx: click.Context) -> list[proto.WorkerInfo]:
@@ -359,7 +375,7 @@ def lookup(ctx: click.Context, tokens: str, instance: str, lookup_url: str, look
         click.echo(f"error: {exc}", err=True)
         sys.exit(EXIT_FAILED)
     except zmq.ZMQError as exc:
-        _bad_url("--lookup-url", lookup_url, exc)
+        _zmq_failed("--lookup-url", lookup_url, exc)
     if instance:
         if ctx.obj["json"]:
             click.echo(json.dumps(msgspec.structs.asdict(result)))

@@ -9,7 +9,8 @@ event for people, one JSON object per message (`--json`) for scripts. What could
 be recovered is said too: a `"kind": "lost"` line (on stderr without --json), after
 which what the reader knew of those namespaces is void.
 
-Exit status: 0 at --limit or --duration (or ctrl-C), 2 for a bad option.
+Exit status: 0 at --limit or --duration (or ctrl-C), 1 when zmq fails (no file
+descriptor left, ...), 2 for a bad option.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import zmq
 
 from kvmesh.common.protocol import kv_events as kv
 from kvmesh.common.transport.kv_events_client import Delivery, KvEventsSubscriber, Lost
+from kvmesh.services.cli.admin_cmd import BAD_URL_ERRNOS, EXIT_FAILED
 from kvmesh.services.cli.serving import load_security, load_service_config
 
 
@@ -157,10 +159,14 @@ def events(
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(_follow(sub, as_json, limit, duration))
     except zmq.ZMQError as exc:
-        # zmq checks only the endpoint's form on connect: the host is what can be wrong.
-        raise click.BadParameter(
-            f"{sub.events_url}: {zmq.strerror(exc.errno)}", param_hint="--controller"
-        ) from None
+        if exc.errno in BAD_URL_ERRNOS:
+            # zmq checks only the endpoint's form on connect: the host is what can be wrong.
+            raise click.BadParameter(
+                f"{sub.events_url}: {zmq.strerror(exc.errno)}", param_hint="--controller"
+            ) from None
+        # Not the host's fault (no file descriptor left, ...): say what it is.
+        click.echo(f"error: zmq: {zmq.strerror(exc.errno)}", err=True)
+        sys.exit(EXIT_FAILED)
 
 
 async def _follow(sub: KvEventsSubscriber, as_json: bool, limit: int, duration: float) -> None:
