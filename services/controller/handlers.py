@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from kvmesh.common.keys import NS_ID_HEX_LEN
+from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import controller as proto
 from kvmesh.common.protocol.controller import ErrorCode
 from kvmesh.services.controller import move
@@ -23,6 +24,8 @@ from kvmesh.services.controller.event_pub import EventPublisher
 from kvmesh.services.controller.index_feed import IndexFeed
 from kvmesh.services.controller.registry import Registry, WorkerEntry, is_namespace_id
 from kvmesh.services.controller.stats import ControllerStats
+
+log = get_logger(__name__)
 
 MAX_ID_CHARS = 256
 MAX_COMPRESS_S = 3600.0
@@ -33,8 +36,26 @@ MAX_HEARTBEAT_S = 86_400.0
 MAX_WORLD_SIZE = 4096
 MAX_ENDPOINT_CHARS = 1024
 # Event batches held back while a worker's full state is applied (~1 s a million
-# keys); beyond this many the rest are dropped and the worker resyncs once it is in.
+# keys); beyond this many, or this much memory, all are dropped and the worker
+# resyncs once the state is in. Bytes as well as a count: one batch may fill a whole
+# message (64 MiB), and 4096 of those would be hundreds of GiB.
 MAX_HELD_BATCHES = 4096
+MAX_HELD_BYTES = 64 << 20  # one worker's
+# All workers' together: after a controller restart they all send their state at once.
+MAX_HELD_BYTES_TOTAL = 256 << 20
+# A decoded event's memory besides its strings' bytes: the tuple, its list slot, two
+# str headers (~166 measured, msgspec 0.22 on CPython 3.11); a batch's own, likewise.
+HELD_EVENT_BYTES = 176
+HELD_BATCH_BYTES = 256
+
+
+def held_cost(msg: proto.KVEventBatch) -> int:
+    """What holding msg costs in memory, estimated: its events' encoded size (C speed,
+    ~5 ms for a full batch of real keys) plus each event's objects. A str is stored
+    in at most as many bytes as its UTF-8, but for one with a character beyond the
+    BMP (4 bytes each): such keys are not chunk keys, and cost at most 4x this."""
+    events = msg.events
+    return HELD_BATCH_BYTES + len(proto.encode(events)) + HELD_EVENT_BYTES * len(events)
 
 
 SyncHandler = Callable[[bytes, Any], Any]
@@ -60,6 +81,7 @@ class Handlers:
         self.server_name = server_name
         self.feed = feed
         self.events_pub = events_pub  # the external KV-event feed; None: off
+        self.held_bytes = 0  # every worker's entry.held_bytes, summed
         self.table: dict[type, SyncHandler] = {
             proto.Register: self.register,
             proto.Deregister: self.deregister,
@@ -167,10 +189,7 @@ class Handlers:
         if len(msg.events) > proto.MAX_EVENTS_PER_BATCH:
             return proto.error_reply(msg.rid, ErrorCode.BAD_REQUEST, "batch too large")
         if entry.held is not None:  # its full state is being applied: these follow it
-            if len(entry.held) < MAX_HELD_BATCHES:
-                entry.held.append(msg)
-            else:
-                entry.held_overflow = True
+            self._hold(entry, msg)
             return None
         if entry.resync_sent:
             # Waiting for its FullState, which covers these events; re-ask if it is late.
@@ -185,6 +204,44 @@ class Handlers:
         entry.last_seq = msg.first_seq + len(msg.events) - 1
         self.stats.events.inc(len(msg.events))
         return None
+
+    def _hold(self, entry: WorkerEntry, msg: proto.KVEventBatch) -> None:
+        """Keep msg for after the full state, or, past a bound, drop it and all held
+        before it: the resync that follows the state covers them."""
+        held = entry.held
+        if held is None or entry.held_overflow:
+            return
+        if len(held) >= MAX_HELD_BATCHES:
+            bound = "batches"
+        else:
+            cost = held_cost(msg)
+            if entry.held_bytes + cost > MAX_HELD_BYTES:
+                bound = "bytes"
+            elif self.held_bytes + cost > MAX_HELD_BYTES_TOTAL:
+                bound = "total_bytes"
+            else:
+                held.append(msg)
+                entry.held_bytes += cost
+                self.held_bytes += cost
+                self.stats.held_bytes.set(self.held_bytes)
+                return
+        log.warning(
+            "held event batches dropped, the worker resyncs after its full state",
+            worker=entry.worker_id,
+            bound=bound,
+            batches=len(held) + 1,
+            held_bytes=entry.held_bytes,
+            all_held_bytes=self.held_bytes,
+        )
+        self._set_held(entry, [])  # freed now: the resync replaces what they say
+        entry.held_overflow = True
+        self.stats.held_overflows[bound].inc()
+
+    def _set_held(self, entry: WorkerEntry, held: list[Any] | None) -> None:
+        """Give entry's held batches up (their bytes off the total) for `held`."""
+        self.held_bytes -= entry.held_bytes
+        entry.held, entry.held_bytes = held, 0
+        self.stats.held_bytes.set(self.held_bytes)
 
     def _resync(self, entry: WorkerEntry, reason: str) -> bool:
         """Push a Resync unless one is pending and not yet overdue; True when pending."""
@@ -205,15 +262,21 @@ class Handlers:
             return self._not_registered(msg)
         # Batches after this message are later than the state: held until it is in.
         # A full state arriving while another is applied supersedes it.
-        entry.held, entry.held_overflow = [], False
+        self._set_held(entry, [])
+        entry.held_overflow = False
         steps = self.registry.replace_steps(entry, msg.tiers)
-        return self._apply_full_state(peer, entry, msg, steps)
+        # Its generation now, not when its task first runs: a later full state may be
+        # begun in the same loop turn, and this one would take that one's for its own.
+        return self._apply_full_state(peer, entry, msg, steps, entry.state_gen)
 
     async def _apply_full_state(
-        self, peer: bytes, entry: WorkerEntry, msg: proto.FullState, steps: Iterator[None]
+        self,
+        peer: bytes,
+        entry: WorkerEntry,
+        msg: proto.FullState,
+        steps: Iterator[None],
+        gen: int,
     ) -> Any:
-        gen = entry.state_gen
-
         def current() -> bool:  # not superseded by a later full state, not gone
             return entry.state_gen == gen and self.registry.workers.get(entry.worker_id) is entry
 
@@ -233,17 +296,24 @@ class Handlers:
                 finally:
                     published.close()
         except BaseException:
-            if current():  # stopped, or a bug: no batch may wait for it forever
-                entry.held, entry.held_overflow = None, False
-                self._resync(entry, "full state not applied")
+            if entry.state_gen == gen:  # its held batches are this state's: free them
+                self._set_held(entry, None)
+                entry.held_overflow = False
+                if current():  # stopped, or a bug: no batch may wait for it forever
+                    self._resync(entry, "full state not applied")
             raise
         if not current():
-            # Superseded by a later full state (which holds the batches now), or gone.
+            # Superseded by a later full state (which holds the batches now), or gone:
+            # then nobody will apply its held batches, and their bytes must count no more.
+            if entry.state_gen == gen:
+                self._set_held(entry, None)
+                entry.held_overflow = False
             return proto.error_reply(
                 msg.rid, ErrorCode.NOT_REGISTERED, "full state superseded or worker gone"
             )
         held, overflow = entry.held or [], entry.held_overflow
-        entry.held, entry.held_overflow = None, False
+        self._set_held(entry, None)
+        entry.held_overflow = False
         entry.last_seq, entry.resync_sent = msg.seq, 0.0
         for batch in held:
             self.events(peer, batch)

@@ -71,6 +71,7 @@ class WorkerEntry:
     # Event batches that arrived while a full state is applied (None: none is).
     held: list[Any] | None = None
     held_overflow: bool = False
+    held_bytes: int = 0  # what `held` costs in memory, estimated (handlers.held_cost)
 
     def bit(self, tier: str) -> int:
         return tier_bit(self.slot, tier)

@@ -40,7 +40,19 @@ class ControllerStats:
         self.index_pushes = m.counter(
             "controller_index_pushes_total", "Registry changes pushed to index subscribers"
         )
-        for c in (self.index_snapshots, self.index_pushes):
+        # Event batches held while a worker's full state is applied (handlers.py).
+        self.held_bytes = m.gauge(
+            "controller_held_event_bytes", "Held KV event batches' memory, estimated"
+        )
+        overflows = m.counter(
+            "controller_held_overflows_total",
+            "Held KV event batches dropped (the worker resyncs), by the bound reached",
+            ["bound"],
+        )
+        self.held_overflows = {
+            b: overflows.labels(bound=b) for b in ("batches", "bytes", "total_bytes")
+        }
+        for c in (self.index_snapshots, self.index_pushes, *self.held_overflows.values()):
             c.inc(0)
         for c in (self.events, self.resyncs, self.snapshots, self.lookup_hit, self.lookup_miss):
             c.inc(0)

@@ -1,0 +1,99 @@
+"""The bytes of event batches held during full states, on the controller's own handlers:
+bounded across workers as well as per worker, and given back on every way a full state
+ends (applied, superseded, its worker gone, cancelled)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvmesh.common.config import ControllerConfig
+from kvmesh.common.protocol import controller as proto
+from kvmesh.services.controller import handlers as handlers_mod
+from kvmesh.services.controller.handlers import Handlers, held_cost
+from kvmesh.services.controller.server import ControllerServer
+
+NS = "00000000000000aa"
+KEYS = [f"{NS}-{i:032x}" for i in range(50_000)]  # a state of some steps
+EVENTS = [(1, f"{NS}-{i:032x}", "l1") for i in range(1_000_000, 1_001_000)]
+
+
+def handlers() -> tuple[Handlers, list[object]]:
+    h = ControllerServer(ControllerConfig(port=0)).handlers
+    pushed: list[object] = []
+    h.push = lambda peer, msg: pushed.append(msg) or True
+    return h, pushed
+
+
+def register(h: Handlers, name: str) -> bytes:
+    peer = name.encode()
+    assert isinstance(
+        h.register(peer, proto.Register(1, name, 0, 1, [NS], "")), proto.RegisterReply
+    )
+    return peer
+
+
+def batch(name: str, first_seq: int) -> proto.KVEventBatch:
+    return proto.KVEventBatch(0, f"{name}/0", first_seq, EVENTS)
+
+
+def overflows(h: Handlers, bound: str) -> float:
+    return h.stats.held_overflows[bound]._value.get()
+
+
+async def test_the_total_held_across_workers_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    h, pushed = handlers()
+    cost = held_cost(batch("a", 1))
+    # Each worker may hold 2 batches; together, 3.
+    monkeypatch.setattr(handlers_mod, "MAX_HELD_BYTES", 2 * cost)
+    monkeypatch.setattr(handlers_mod, "MAX_HELD_BYTES_TOTAL", 3 * cost)
+    a, b = register(h, "a"), register(h, "b")
+    state_a = h.full_state(a, proto.FullState(2, "a/0", 0, {"l1": KEYS}))
+    state_b = h.full_state(b, proto.FullState(2, "b/0", 0, {"l1": KEYS}))
+    h.events(a, batch("a", 1))
+    h.events(a, batch("a", 1001))
+    assert h.held_bytes == 2 * cost and overflows(h, "bytes") == 0
+    h.events(b, batch("b", 1))
+    h.events(b, batch("b", 1001))  # b's second: under its own bound, over the total
+    assert overflows(h, "total_bytes") == 1 and overflows(h, "bytes") == 0
+    assert h.held_bytes == 2 * cost  # b's first freed at once
+    assert (await state_a).chunks == len(KEYS) + len(EVENTS)  # a's applied
+    assert (await state_b).chunks == len(KEYS)  # b's dropped...
+    reasons = [(m.worker_id, m.reason) for m in pushed if isinstance(m, proto.Resync)]
+    assert reasons == [("b/0", "events dropped while the full state was applied")]  # ...b resyncs
+    assert h.held_bytes == 0 and h.stats.held_bytes._value.get() == 0
+
+
+async def test_held_bytes_are_given_back_however_the_state_ends() -> None:
+    h, _ = handlers()
+    a = register(h, "a")
+    cost = held_cost(batch("a", 1))
+    # Superseded by a later state (begun before the first's task ran, as two states
+    # read in one loop turn are): the first's batches go, the later one holds anew.
+    first = h.full_state(a, proto.FullState(2, "a/0", 0, {"l1": KEYS}))
+    h.events(a, batch("a", 1))
+    second = h.full_state(a, proto.FullState(3, "a/0", 0, {"l1": KEYS}))
+    assert h.held_bytes == 0
+    h.events(a, batch("a", 1))
+    assert h.held_bytes == cost
+    assert isinstance(await first, proto.ErrorReply)
+    assert h.held_bytes == cost  # the second's, still held
+    assert (await second).chunks == len(KEYS) + len(EVENTS)
+    assert h.held_bytes == 0
+    # Its worker gone while the state is applied.
+    gone = h.full_state(a, proto.FullState(4, "a/0", 0, {"l1": KEYS}))
+    h.events(a, batch("a", 1))
+    h.deregister(a, proto.Deregister(5, "a/0"))
+    assert isinstance(await gone, proto.ErrorReply)
+    assert h.held_bytes == 0
+    # Cancelled (the controller stopping) half way.
+    a = register(h, "a")
+    task = asyncio.ensure_future(h.full_state(a, proto.FullState(6, "a/0", 0, {"l1": KEYS})))
+    await asyncio.sleep(0)
+    h.events(a, batch("a", 1))
+    assert h.held_bytes == cost
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert h.held_bytes == 0 and h.stats.held_bytes._value.get() == 0
