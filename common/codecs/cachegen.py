@@ -120,7 +120,19 @@ def _map(fn: Callable[[Any], _T], items: Sequence[Any], chunk: torch.Tensor) -> 
             if _pool is None:
                 workers = max(2, min(8, os.cpu_count() or 2))
                 _pool = concurrent.futures.ThreadPoolExecutor(workers, "kvmesh-cachegen")
-    return list(_pool.map(fn, items))
+    futures = [_pool.submit(fn, item) for item in items]
+    # Every job has finished before this returns or raises: a decode writes into the
+    # caller's buffer, which the caller hands back to the pool when the decode fails,
+    # and a segment still running then would write into another chunk's page.
+    done, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+    if any(f.exception() is not None for f in done):
+        for f in futures:
+            f.cancel()  # what has not started never will
+    concurrent.futures.wait(futures)
+    for f in futures:
+        if not f.cancelled() and f.exception() is not None:
+            raise f.exception()  # type: ignore[misc]
+    return [f.result() for f in futures]
 
 
 def _bands(layers: int, layer_bits: tuple[int, ...]) -> list[tuple[int, int, int]]:
@@ -162,6 +174,8 @@ class CacheGenCodec(Codec):
             layout.fmt in _FORMATS
             and layout.torch_dtype in _FLOAT_DTYPES
             and len(layout.shape) == (3 if layout.fmt != MemoryFormat.KV_2LTD else 4)
+            # An empty chunk has no range to quantise (amin over no tokens raises).
+            and all(d > 0 for d in layout.shape)
         )
 
     # -- encode ---------------------------------------------------------------------------
@@ -181,6 +195,11 @@ class CacheGenCodec(Codec):
         lo_v = x.amin(dim=2, keepdim=True)
         step = (x.amax(dim=2, keepdim=True) - lo_v) / levels
         step = torch.where(step > 0, step, torch.ones_like(step))
+        # A channel spanning more than float32 holds (bf16 and fp32 reach 3.4e38) has an
+        # infinite step, or a top level that overflows: decoding would give inf or NaN
+        # (0 * inf) for finite values. Such a chunk is stored raw instead.
+        if not bool(torch.isfinite(torch.addcmul(lo_v, step, torch.full_like(step, levels))).all()):
+            raise ValueError("cachegen cannot quantise a channel whose range overflows float32")
         q = x.sub_(lo_v).div_(step).round_().clamp_(0, levels).to(torch.uint8)
         q = q.permute(2, 0, 1, 3).contiguous()  # token-major: deltas run along rows
         d = q.clone()

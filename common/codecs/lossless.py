@@ -70,6 +70,14 @@ class ZstdCodec(Codec):
         self, payload: memoryview | bytes, layout: KVLayout, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         try:
+            # decompress sizes its output by the frame's declared content size and
+            # heeds max_output_size only when there is none: a damaged size field
+            # would have it allocate that many bytes (MemoryError past the RAM).
+            declared = zstandard.frame_content_size(payload)
+            if declared not in (-1, layout.nbytes):
+                raise CodecError(
+                    f"zstd frame of {declared} bytes, the layout needs {layout.nbytes}"
+                )
             raw = self._pair()[1].decompress(payload, max_output_size=layout.nbytes)
         except zstandard.ZstdError as exc:
             raise CodecError(f"zstd decompression failed: {exc}") from None

@@ -107,7 +107,15 @@ static PyObject *chain(fill_fn fill, void *src, Py_ssize_t n_tokens, Py_ssize_t 
         return NULL;
     }
     Py_ssize_t n_chunks = n_tokens / chunk_size + (unfull && n_tokens % chunk_size ? 1 : 0);
-    unsigned char *buf = PyMem_Malloc(DIGEST + 4 * (size_t)chunk_size);
+    /* No chunk holds more than the input's tokens: sizing by chunk_size alone would
+     * ask for terabytes for a huge chunk_size, or wrap 4 * chunk_size to a few bytes
+     * (chunk_size >= 2**62) that the tokens then overrun. */
+    Py_ssize_t room = chunk_size < n_tokens ? chunk_size : n_tokens;
+    if ((size_t)room > (PY_SSIZE_T_MAX - DIGEST) / 4) {
+        PyErr_SetString(PyExc_OverflowError, "too many tokens to hash");
+        return NULL;
+    }
+    unsigned char *buf = PyMem_Malloc(DIGEST + 4 * (size_t)room);
     if (buf == NULL)
         return PyErr_NoMemory();
     PyObject *out = PyList_New(n_chunks);

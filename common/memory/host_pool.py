@@ -16,6 +16,7 @@ Thread-safe: one lock guards the free stack and every object's counters.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -366,7 +367,10 @@ class HostMemoryPool:
             size, nbytes = self._layouts[(shape, dtype)]  # type: ignore[index]
         except (KeyError, TypeError):  # TypeError: an unhashable shape such as a list
             size, nbytes = self._layout(shape, dtype)
-        self._last_layout = (shape, dtype, size, nbytes)
+        # allocate() knows this layout again by the shape's identity: only an immutable
+        # shape may be remembered so, or a list changed in place would get the old size.
+        if type(shape) is tuple or type(shape) is torch.Size:
+            self._last_layout = (shape, dtype, size, nbytes)
         return size, nbytes
 
     def _layout(self, shape: ShapeLike, dtype: torch.dtype) -> tuple[torch.Size, int]:
@@ -376,7 +380,9 @@ class HostMemoryPool:
         size = torch.Size(shape)
         if any(d < 0 for d in size):
             raise ValueError(f"negative dimension in shape {tuple(size)}")
-        nbytes = size.numel() * dtype.itemsize
+        # In Python ints: Size.numel() wraps at 2**63, so a shape of 2**32 x 2**32 (a
+        # damaged or hostile chunk header) would pass as 0 bytes and get a page.
+        nbytes = math.prod(size) * dtype.itemsize
         if nbytes > self.page_size:
             raise ValueError(
                 f"an object of shape {tuple(size)} and dtype {dtype} needs {nbytes} bytes, "

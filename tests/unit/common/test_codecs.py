@@ -87,6 +87,29 @@ def test_lossless_payload_that_decodes_to_another_size_is_refused(codec) -> None
         codec.decode(payload[: len(payload) // 2], layout)
 
 
+def test_zstd_frame_declaring_a_huge_size_is_refused_before_allocating() -> None:
+    # zstandard sizes decompress's output by the frame's content size field and heeds
+    # max_output_size only without one: a damaged field (here 1 GiB, then 32 TiB) must
+    # be a CodecError, not a gigabyte allocation nor a MemoryError.
+    import struct
+    import tracemalloc
+
+    x = torch.zeros(1000, dtype=torch.uint8)
+    layout = KVLayout.of(x)
+    payload = ZstdCodec().encode(x, layout)
+    assert payload[4] == 0x60  # single segment, a 2-byte content size: 7-byte header
+    for declared in (1 << 30, 1 << 45):
+        evil = payload[:4] + bytes([0xE0]) + struct.pack("<Q", declared) + payload[7:]
+        tracemalloc.start()
+        try:
+            with pytest.raises(CodecError):
+                ZstdCodec().decode(evil, layout)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20, f"{peak} bytes allocated for a {layout.nbytes}-byte chunk"
+
+
 # --- cachegen -----------------------------------------------------------------------------
 
 
@@ -175,6 +198,43 @@ def test_cachegen_refuses_what_it_cannot_quantise() -> None:
             codec.encode(bytes(layout.nbytes), layout)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("low", ["-max", "0"])
+def test_cachegen_refuses_a_range_wider_than_float32(dtype, low: str) -> None:
+    # bf16 and fp32 reach 3.4e38: a channel from -max to max has an infinite step, and
+    # one from 0 to max a top level that rounds past max. Decoding such a payload gave
+    # NaN or inf for finite values; the chunk must be refused (and so stored raw).
+    big = torch.finfo(dtype).max
+    x = smooth_kv(layers=3, tokens=16, hidden=8).to(dtype)
+    x[0, 0, :, 0] = 0.0
+    x[0, 0, 0, 0] = -big if low == "-max" else 0.0
+    x[0, 0, 1, 0] = big
+    layout = KVLayout.of(x, MemoryFormat.KV_2LTD)
+    codec = CacheGenCodec(CacheGenParams(layer_bits=(8,)))
+    try:
+        payload = codec.encode(x, layout)
+    except ValueError as exc:
+        assert "overflows float32" in str(exc)
+    else:
+        out = codec.decode(payload, layout)
+        assert bool(torch.isfinite(out).all()), "finite KV decoded as inf/NaN"
+
+
+def test_cachegen_takes_no_empty_chunk(pool) -> None:
+    # No tokens (or channels) leave nothing to take a range over: encode raised
+    # IndexError or TypeError, which escaped encode_chunk (it expects ValueError).
+    codec = CacheGenCodec()
+    for shape in ((2, 3, 0, 8), (2, 3, 4, 0), (2, 0, 4, 8)):
+        layout = KVLayout(shape, "float16", int(MemoryFormat.KV_2LTD))
+        assert not codec.supports(layout)
+        with pytest.raises(ValueError):
+            codec.encode(torch.zeros(shape, dtype=torch.float16), layout)
+    obj = pool.allocate(torch.Size((2, 3, 0, 8)), torch.float16, MemoryFormat.KV_2LTD)
+    header, payload, _ = encode_chunk(KEY, obj, codec)
+    assert header.codec is Codec.NONE and memoryview(payload).nbytes == 0
+    obj.ref_down()
+
+
 @pytest.mark.parametrize(
     "damage",
     ["truncate-frame", "truncate-end", "extra-byte", "params-len", "params-junk", "bad-bits"],
@@ -201,6 +261,38 @@ def test_cachegen_damaged_payloads_are_codec_errors(damage: str) -> None:
         )
     with pytest.raises(CodecError):
         CacheGenCodec().decode(bytes(p), layout)
+
+
+def test_cachegen_failed_decode_leaves_no_segment_writing(monkeypatch) -> None:
+    # Segments of a large chunk decode on a thread pool. When one fails, decode must
+    # not return while another still writes: the caller hands its buffer (a pool page)
+    # back on the error, and a late write would land in another chunk's KV.
+    import struct
+    import time
+
+    from kvmesh.common.codecs import cachegen
+
+    x = smooth_kv(layers=4, tokens=256, hidden=512).half()  # 2 MiB: the parallel path
+    layout = KVLayout.of(x, MemoryFormat.KV_2LTD)
+    params = CacheGenParams(layer_bits=(8,), segment_layers=2)
+    codec = CacheGenCodec(params)
+    p = bytearray(codec.encode(x, layout))
+    assert len(cachegen._segments(4, params)) == 2
+    frame = 4 + struct.unpack_from("<I", p)[0] + 2 * 4 * 2 * 2 * 512 + 4
+    p[frame : frame + 4] = bytes(4)  # the first segment's zstd magic: it fails at once
+    slow = cachegen.CacheGenCodec._dequantise
+
+    def late(*args):
+        time.sleep(0.3)
+        slow(*args)
+
+    monkeypatch.setattr(cachegen.CacheGenCodec, "_dequantise", staticmethod(late))
+    out = torch.zeros_like(x)
+    with pytest.raises(CodecError):
+        codec.decode(bytes(p), layout, out)
+    seen = out.clone()
+    time.sleep(0.6)
+    assert torch.equal(out, seen), "a segment wrote into the buffer after decode raised"
 
 
 def test_random_bytes_never_crash_a_decoder() -> None:

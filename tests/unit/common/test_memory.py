@@ -143,6 +143,36 @@ def test_too_large_raises_and_takes_nothing(pool: HostMemoryPool) -> None:
     assert pool.free_pages == pool.num_pages - 1
 
 
+@pytest.mark.parametrize(
+    "shape",
+    [(2**32, 2**32), (2**31, 2**31, 2), (2**62, 4), (2**21, 2**21, 2**21)],
+)
+def test_a_shape_whose_element_count_wraps_int64_is_too_large(
+    pool: HostMemoryPool, shape: tuple[int, ...]
+) -> None:
+    # torch.Size.numel() wraps at 2**63: (2**32, 2**32) counts 0 elements. Such a shape
+    # (from a chunk header that passed its checksum) must not get a page of 0 or a
+    # negative number of bytes.
+    with pytest.raises(ValueError, match="more than a page"):
+        pool.allocate(shape, torch.uint8, MemoryFormat.BINARY)
+    with pytest.raises(ValueError, match="more than a page"):
+        pool.allocate_batch(1, shape, torch.uint8, MemoryFormat.BINARY)
+    assert pool.free_pages == pool.num_pages and pool.used_bytes == 0
+
+
+def test_a_list_shape_changed_in_place_gets_its_new_size(pool: HostMemoryPool) -> None:
+    # allocate() knows the last layout again by the shape object's identity: a list
+    # reused with other contents must not get the size it had before.
+    shape = [2, 4]
+    assert pool.allocate(shape, torch.float16, MemoryFormat.KV_2TD).shape == (2, 4)
+    shape[1] = 8
+    obj = pool.allocate(shape, torch.float16, MemoryFormat.KV_2TD)
+    assert tuple(obj.shape) == (2, 8) and obj.nbytes == 32
+    shape[1] = PAGE
+    with pytest.raises(ValueError, match="more than a page"):
+        pool.allocate(shape, torch.float16, MemoryFormat.KV_2TD)
+
+
 def test_exhaustion_returns_none_and_batch_is_all_or_nothing(pool: HostMemoryPool) -> None:
     spec = ((16,), torch.uint8, MemoryFormat.BINARY)
     first = pool.allocate_batch(pool.num_pages - 3, *spec)

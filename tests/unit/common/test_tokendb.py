@@ -540,3 +540,38 @@ def test_large_lists_of_every_id_kind_agree_with_the_python_chain() -> None:
     database = db(chunk_size=256)
     assert database.chunk_hashes(tokens) == python_only(database.chunk_hashes, tokens)
     assert database.chunk_hashes(tokens) == database.chunk_hashes(torch.tensor(tokens))
+
+
+# A chunk_size far beyond any prompt: the helper's chunk buffer must follow the tokens
+# it holds, not chunk_size (a MemoryError for 2**40; 4 * 2**62 wrapped to 0, a 16-byte
+# buffer that two million tokens overran).
+_HUGE_CHUNK_CHILD = """
+import json, sys
+from kvmesh.common import tokendb
+from kvmesh.common.keys import KeyNamespace
+ns = KeyNamespace(model="m", kv_layout="x", dtype="float16", world_size=1, rank=0)
+database = tokendb.ChunkedTokenDatabase(ns, chunk_size=2**62, save_unfull_chunk=True)
+tokens = list(range(2_000_000))
+native = database.chunk_hashes(tokens)
+tokendb._chain_hash = None
+print(json.dumps([[h.hex() for h in native], [h.hex() for h in database.chunk_hashes(tokens)]]))
+"""
+
+
+@pytest.mark.parametrize("unfull", [False, True])
+def test_native_chain_takes_a_chunk_size_beyond_the_tokens(unfull: bool) -> None:
+    database = db(chunk_size=2**40, save_unfull_chunk=unfull)
+    for tokens in ([], list(range(10)), tuple(range(1000))):
+        assert database.chunk_hashes(tokens) == python_only(database.chunk_hashes, tokens)
+        assert database.chunk_hashes(torch.tensor(tokens, dtype=torch.int64)) == (
+            python_only(database.chunk_hashes, tokens)
+        )
+
+
+def test_native_chain_does_not_overrun_its_buffer_for_a_chunk_size_of_2_62() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _HUGE_CHUNK_CHILD], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    native, python = json.loads(done.stdout.strip().splitlines()[-1])
+    assert native == python and len(native) == 1
