@@ -98,12 +98,15 @@ def main() -> None:
     lock.write_text("".join(f"{n}=={v}\n" for n, v in sorted(pins.items())))
     # --no-deps: the closure above is the whole list; pip must not re-resolve it (it
     # would reach for CUDA torch builds).
-    subprocess.run(
+    proc = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-r", str(lock),
          "-w", str(args.out)],
-        check=True,
-        stderr=subprocess.PIPE if args.quiet else None,
+        stderr=subprocess.PIPE if args.quiet else None, text=True, check=False,
     )  # fmt: skip
+    if proc.returncode != 0:
+        # --quiet hides pip's warnings, never its reason for failing.
+        sys.stderr.write(proc.stderr or "")
+        sys.exit(f"pip could not fetch the wheels listed in {lock} (exit {proc.returncode})")
     print(f"{len(pins)} wheels in {args.out}")
 
 

@@ -17,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvmesh.common.config import load_config
+from kvmesh.common.protocol.lookup import engine_endpoint
 from kvmesh.common.transport.curve import load_curve
 from kvmesh.services.cli.main import cli
 
@@ -95,3 +96,33 @@ def test_each_container_loads_its_keys(keyed) -> None:
         assert curve is not None and len(curve.allowed) == 1, name
         assert curve.client_public in curve.allowed  # the containers accept each other
         assert Path(cfg.security.http_token_file).read_text().strip() == "s3cret"
+
+
+def test_each_worker_announces_endpoints_other_containers_reach() -> None:
+    """What a vLLM container's engine serves to other containers must be at its own
+    service name, on a port no other container takes (docker/compose/ci.yaml puts them
+    all on one host network):
+    - its lookup endpoint, asked by the lookup-server in its own container: the
+      default ipc:// socket would lie in the worker's own /tmp (every lookup of it
+      would answer 0);
+    - its P2P host, whose bound address the engine registers with the controller for
+      its peers: 0.0.0.0 would send a peer in another container to itself."""
+    services = compose_config()
+    lookups, p2p_ports = {}, {}
+    for name in ("worker", "prefiller"):
+        env = {k: str(v) for k, v in (services[name].get("environment") or {}).items()}
+        cfg = load_config(ROOT / "docker/compose/kvmesh.yaml", env=env)
+        lookups[name] = engine_endpoint(cfg.engine.lookup_endpoint, name, 0)
+        assert lookups[name].startswith(f"tcp://{name}:"), (name, lookups[name])
+        assert cfg.engine.p2p.enabled and cfg.engine.p2p.host == name, name
+        p2p_ports[name] = cfg.engine.p2p.port
+        # The connector's instance id: what the lookup-server is asked about.
+        transfer = next(a for a in services[name]["command"] if "kv_connector" in a)
+        extra = json.loads(transfer.split("=", 1)[1])["kv_connector_extra_config"]
+        assert extra["instance_id"] == name
+    ports = [e.rsplit(":", 1)[1] for e in lookups.values()]
+    assert len(set(ports)) == len(ports), lookups
+    assert len(set(p2p_ports.values())) == len(p2p_ports), p2p_ports
+    # The bridge pushes the prompt's KV to the worker's P2P port, by name.
+    cfg = load_config(ROOT / "docker/compose/kvmesh.yaml", env={})
+    assert cfg.bridge.decoders[0].kv_endpoints == [f"tcp://worker:{p2p_ports['worker']}"]

@@ -609,6 +609,40 @@ def test_service_monitor_only_when_enabled(rendered: dict) -> None:
     assert controller["spec"]["endpoints"][0]["port"] == "http"  # /metrics on the admin port
 
 
+@pytest.mark.parametrize("kind", ["StatefulSet", "Deployment"])
+def test_service_monitors_scrape_every_component_once(helm: str, tmp_path: Path, kind: str) -> None:
+    """Each ServiceMonitor selects exactly one Service that has the port it scrapes,
+    whatever worker.kind: a Deployment worker has no headless Service, and its
+    engine metrics must still be scraped (once)."""
+    values = {"serviceMonitor": {"enabled": True}, "worker": {"kind": kind},
+              "cacheserver": {"kind": kind}, "bridge": {"enabled": True},
+              "config": {"bridge": {"decoders": [{"url": "http://d:8000"}]}}}  # fmt: skip
+    docs = parse(render_text(helm, ["-f", str(values_file(tmp_path, values))]))
+    monitors = of_kind(docs, "ServiceMonitor")
+    assert {m["metadata"]["name"] for m in monitors} == {
+        full_name(c) for c in ("controller", "lookup", "cacheserver", "bridge", "worker")
+    }
+    for m in monitors:
+        (endpoint,) = m["spec"]["endpoints"]
+        services = [
+            s
+            for s in of_kind(docs, "Service")
+            if matches(m["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])
+            and endpoint["port"] in {p["name"] for p in s["spec"]["ports"]}
+        ]
+        assert len(services) == 1, (
+            m["metadata"]["name"],
+            [s["metadata"]["name"] for s in services],
+        )
+        # ... and the port reaches the container port the process serves /metrics on.
+        (svc,) = services
+        (port,) = [p for p in svc["spec"]["ports"] if p["name"] == endpoint["port"]]
+        labels = [w["spec"]["template"]["metadata"]["labels"] for w in workloads(docs)]
+        pods = [w for w, lab in zip(workloads(docs), labels, strict=True)
+                if matches(svc["spec"]["selector"], lab)]  # fmt: skip
+        assert pods and port_number(container(pods[0]), port["targetPort"]) == port["port"]
+
+
 # --- disaggregated prefill ------------------------------------------------------------------
 
 
@@ -634,6 +668,29 @@ def test_pd_bridge_backends(rendered: dict, tmp_path: Path) -> None:
     assert one(docs, "Service", full_name("bridge"))["spec"]["type"] == "NodePort"
     cache = one(docs, "StatefulSet", full_name("cacheserver"))
     assert cfg.cacheserver.lm_enabled and port_number(container(cache), "lm") == 7621
+
+
+def test_pd_bridge_kv_routing(helm: str, tmp_path: Path) -> None:
+    """KV-aware routing (config.bridge.lookup_url) with pd.enabled: kvmesh refuses a
+    lookup_url unless every backend has its instance_id, and the chart owns the pd
+    backends, so it must name each one as its pod's connector does ($(POD_NAME))."""
+    lookup = f"tcp://{full_name('lookup')}:7610"
+    vf = values_file(tmp_path, {"config": {"bridge": {"lookup_url": lookup}}})
+    docs = parse(render_text(helm, [*VALUE_SETS["pd"], "-f", str(vf)]))
+    cfg = _load(tmp_path, docs)  # refused before: "[0].instance_id ... required"
+    assert cfg.bridge.lookup_url == lookup
+    for role, backends in (("prefiller", cfg.bridge.prefillers), ("decoder", cfg.bridge.decoders)):
+        sts = one(docs, "StatefulSet", full_name(role))
+        transfer = json.loads(
+            container(sts)["args"][container(sts)["args"].index("--kv-transfer-config") + 1]
+        )
+        assert transfer["kv_connector_extra_config"]["instance_id"] == "$(POD_NAME)"
+        # A StatefulSet's pod i is named <statefulset>-i: the id its connector registers.
+        pods = [f"{sts['metadata']['name']}-{i}" for i in range(sts["spec"]["replicas"])]
+        assert [b.instance_id for b in backends] == pods
+        assert all(
+            b.url.startswith(f"http://{pod}.") for b, pod in zip(backends, pods, strict=True)
+        )
 
 
 # --- NOTES.txt ---------------------------------------------------------------------------------

@@ -227,14 +227,17 @@ IP, the PD role) come from KVMESH_* variables set on the pods (kvmesh.engineEnv)
 {{- end -}}
 {{- $bridge := dict "host" "0.0.0.0" "port" (int $v.bridge.ports.http) "metrics_port" (int $v.bridge.ports.metrics) -}}
 {{- if $v.pd.enabled -}}
+{{- /* instance_id: the pod's name, which is each vLLM pod's connector instance_id
+($(POD_NAME)); KV-aware routing (config.bridge.lookup_url) needs it on every backend. */ -}}
+{{- $full := include "kvmesh.fullname" . -}}
 {{- $prefillers := list -}}
 {{- range $i := until (int $v.pd.prefiller.replicas) -}}
-{{- $prefillers = append $prefillers (dict "url" (printf "http://%s:%d" (include "kvmesh.podHost" (list $ "prefiller" $i)) (int $v.worker.ports.http))) -}}
+{{- $prefillers = append $prefillers (dict "url" (printf "http://%s:%d" (include "kvmesh.podHost" (list $ "prefiller" $i)) (int $v.worker.ports.http)) "instance_id" (printf "%s-prefiller-%d" $full $i)) -}}
 {{- end -}}
 {{- $decoders := list -}}
 {{- range $i := until (int $v.pd.decoder.replicas) -}}
 {{- $host := include "kvmesh.podHost" (list $ "decoder" $i) -}}
-{{- $decoders = append $decoders (dict "url" (printf "http://%s:%d" $host (int $v.worker.ports.http)) "kv_endpoints" (list (printf "tcp://%s:%d" $host (int $v.worker.ports.p2p)))) -}}
+{{- $decoders = append $decoders (dict "url" (printf "http://%s:%d" $host (int $v.worker.ports.http)) "kv_endpoints" (list (printf "tcp://%s:%d" $host (int $v.worker.ports.p2p))) "instance_id" (printf "%s-decoder-%d" $full $i)) -}}
 {{- end -}}
 {{- $_ := set $bridge "prefillers" $prefillers -}}
 {{- $_ := set $bridge "decoders" $decoders -}}
