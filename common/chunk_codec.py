@@ -60,7 +60,6 @@ wrong KV.
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import os
 import struct
@@ -76,6 +75,7 @@ import xxhash
 from kvmesh.common import xxh3_native
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import MemoryFormat, MemoryObj
+from kvmesh.common.thread_jobs import LazyPool, map_all_async
 
 # A stored payload as read back: one buffer, or its parts in order (a cache-server
 # value received in several frames).
@@ -191,6 +191,8 @@ def raw_checksum(obj: MemoryObj) -> int:
 
 # Below this many bytes per batch, hashing on one more thread does not pay.
 _PARALLEL_HASH_BYTES = 16 << 20
+# Batches of every call share one thread per core: more would only take turns.
+_hash_pool = LazyPool(lambda: os.cpu_count() or 1, "kvmesh-hash")
 
 
 async def chunk_checksums(objs: Sequence[MemoryObj], max_threads: int = 0) -> list[int]:
@@ -211,7 +213,11 @@ async def chunk_checksums(objs: Sequence[MemoryObj], max_threads: int = 0) -> li
     def run(part: Sequence[MemoryObj]) -> list[int]:
         return [payload_checksum(chunk_bytes(o)) for o in part]
 
-    sums = await asyncio.gather(*(asyncio.to_thread(run, part) for part in parts))
+    # Every batch has ended before this returns or raises, cancelled or not: the native
+    # hash reads the pages by address, and a caller handed an error (or cancelled)
+    # frees them next; a batch still reading then reads freed memory (a pool closed
+    # under it faults).
+    sums = await map_all_async(_hash_pool.get(), run, parts)
     return [s for part in sums for s in part]
 
 

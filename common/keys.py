@@ -37,6 +37,9 @@ _NS_PERSON = b"kvmesh-ns-v1"  # blake2b personalisation: no other use of blake2b
 KEY_STRING = re.compile(r"[0-9a-f]{16}-[0-9a-f]{32}")
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
+# What the id's encoding can hold: a string field's UTF-8 length is a u32, an int a u64.
+_MAX_STR_BYTES = (1 << 32) - 1
+_MAX_U64 = (1 << 64) - 1
 
 
 class ChunkKey(msgspec.Struct, frozen=True, array_like=True, gc=False, order=True):
@@ -67,8 +70,12 @@ class ChunkKey(msgspec.Struct, frozen=True, array_like=True, gc=False, order=Tru
         return cls(s[:NS_ID_HEX_LEN], bytes.fromhex(s[NS_ID_HEX_LEN + 1 :]))
 
 
-def _encode_str(value: str) -> bytes:
+def _encode_str(field: str, value: str) -> bytes:
     raw = value.encode("utf-8")
+    if len(raw) > _MAX_STR_BYTES:
+        raise ValueError(
+            f"KeyNamespace.{field} is {len(raw)} bytes in UTF-8, over {_MAX_STR_BYTES}"
+        )
     # Length prefixes keep ("ab", "c") and ("a", "bc") apart.
     return _U32.pack(len(raw)) + raw
 
@@ -104,8 +111,12 @@ class KeyNamespace(msgspec.Struct, frozen=True, kw_only=True, dict=True):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"KeyNamespace.{name} must be an int")
-        if self.world_size < 1:
-            raise ValueError(f"KeyNamespace.world_size must be >= 1, got {self.world_size}")
+        # Checked here, not left to struct.pack: its struct.error names no field and is
+        # no ValueError, which msgspec would not turn into a ValidationError on decode.
+        if not 1 <= self.world_size <= _MAX_U64:
+            raise ValueError(
+                f"KeyNamespace.world_size must be in [1, 2**64), got {self.world_size}"
+            )
         if not 0 <= self.rank < self.world_size:
             raise ValueError(
                 f"KeyNamespace.rank must be in [0, {self.world_size}), got {self.rank}"
@@ -118,16 +129,16 @@ class KeyNamespace(msgspec.Struct, frozen=True, kw_only=True, dict=True):
 
     def _canonical_bytes(self) -> bytes:
         # An explicit encoding rather than msgpack: the id must not change if a
-        # serialiser's choices do.
+        # serialiser's choices do. rank < world_size, so both fit a u64.
         return b"".join(
             (
                 _NS_ENCODING_TAG,
-                _encode_str(self.model),
-                _encode_str(self.kv_layout),
-                _encode_str(self.dtype),
+                _encode_str("model", self.model),
+                _encode_str("kv_layout", self.kv_layout),
+                _encode_str("dtype", self.dtype),
                 _U64.pack(self.world_size),
                 _U64.pack(self.rank),
-                _encode_str(self.tenant),
+                _encode_str("tenant", self.tenant),
             )
         )
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import struct
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import ClassVar, TypeVar
 
 import msgspec
@@ -157,6 +158,12 @@ class Codec(ABC):
         """The chunk payload encodes, as a tensor of layout (written into out when
         given: a contiguous tensor of layout's shape and dtype). CodecError when the
         payload does not decode to layout."""
+
+    def decoded_pieces(self, payload: memoryview | bytes, layout: KVLayout) -> Iterator[bytes]:
+        """The bytes decode would give, in order, in pieces (CodecError as decode): a
+        check that only hashes them need not hold a chunk of whatever size a header
+        claims. This default decodes whole; streaming codecs override it."""
+        yield as_bytes(self.decode(payload, layout)).tobytes()
 
     def supports(self, layout: KVLayout) -> bool:
         """Whether encode takes chunks of this layout (lossless codecs take any)."""

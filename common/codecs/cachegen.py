@@ -34,7 +34,6 @@ the frame (its content is [tokens, layers in segment, K/V, channels] uint8).
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import struct
 import threading
@@ -55,6 +54,7 @@ from kvmesh.common.codecs.base import (
     unpack_params,
 )
 from kvmesh.common.memory import MemoryFormat
+from kvmesh.common.thread_jobs import LazyPool, map_all
 
 Bits = Annotated[int, msgspec.Meta(ge=1, le=8)]
 _LEN = struct.Struct("<I")
@@ -103,8 +103,7 @@ def _segments(layers: int, params: CacheGenParams) -> list[tuple[int, int, int]]
     return out
 
 
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
+_pool = LazyPool(lambda: max(2, min(8, os.cpu_count() or 2)), "kvmesh-cachegen")
 # Below this many bytes a thread hop costs more than the segments' work.
 _PARALLEL_FROM = 1 << 20
 
@@ -112,27 +111,12 @@ _PARALLEL_FROM = 1 << 20
 def _map(fn: Callable[[Any], _T], items: Sequence[Any], chunk: torch.Tensor) -> list[_T]:
     """fn over items, on a shared pool of one thread per core for large chunks (zstd and
     torch let go of the GIL, so the segments run side by side)."""
-    global _pool
     if len(items) < 2 or chunk.numel() * chunk.element_size() < _PARALLEL_FROM:
         return [fn(item) for item in items]
-    if _pool is None:
-        with _pool_lock:
-            if _pool is None:
-                workers = max(2, min(8, os.cpu_count() or 2))
-                _pool = concurrent.futures.ThreadPoolExecutor(workers, "kvmesh-cachegen")
-    futures = [_pool.submit(fn, item) for item in items]
-    # Every job has finished before this returns or raises: a decode writes into the
-    # caller's buffer, which the caller hands back to the pool when the decode fails,
-    # and a segment still running then would write into another chunk's page.
-    done, _ = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
-    if any(f.exception() is not None for f in done):
-        for f in futures:
-            f.cancel()  # what has not started never will
-    concurrent.futures.wait(futures)
-    for f in futures:
-        if not f.cancelled() and f.exception() is not None:
-            raise f.exception()  # type: ignore[misc]
-    return [f.result() for f in futures]
+    # Every job has finished before this returns or raises (map_all): a decode writes
+    # into the caller's buffer, which the caller hands back to the pool when the decode
+    # fails, and a segment still running then would write into another chunk's page.
+    return map_all(_pool.get(), fn, items)
 
 
 def _bands(layers: int, layer_bits: tuple[int, ...]) -> list[tuple[int, int, int]]:

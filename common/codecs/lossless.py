@@ -9,6 +9,7 @@ bits, so expect ratios of about 1.1–1.3; their value is exactness.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import lz4.frame
@@ -26,6 +27,10 @@ class ZstdParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class Lz4Params(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pass
+
+
+# Bytes per piece of decoded_pieces: the most a verification holds at once.
+PIECE_BYTES = 1 << 20
 
 
 def _into(raw: bytes, layout: KVLayout, out: torch.Tensor | None) -> torch.Tensor:
@@ -83,6 +88,30 @@ class ZstdCodec(Codec):
             raise CodecError(f"zstd decompression failed: {exc}") from None
         return _into(raw, layout, out)
 
+    def decoded_pieces(self, payload: memoryview | bytes, layout: KVLayout) -> Iterator[bytes]:
+        # Stricter than decode on one point: bytes after the frame (which decompress
+        # ignores, and no writer leaves) fail here, since the frame's end must be read.
+        got = 0
+        extra = b""
+        try:
+            declared = zstandard.frame_content_size(payload)
+            if declared not in (-1, layout.nbytes):
+                raise CodecError(
+                    f"zstd frame of {declared} bytes, the layout needs {layout.nbytes}"
+                )
+            with self._pair()[1].stream_reader(payload, read_across_frames=False) as reader:
+                while got < layout.nbytes:
+                    piece = reader.read(min(PIECE_BYTES, layout.nbytes - got))
+                    if not piece:
+                        break
+                    got += len(piece)
+                    yield piece
+                extra = reader.read(1)
+        except zstandard.ZstdError as exc:
+            raise CodecError(f"zstd decompression failed: {exc}") from None
+        if got != layout.nbytes or extra:
+            raise CodecError(f"zstd frame is not the {layout.nbytes} bytes the layout needs")
+
 
 class Lz4Codec(Codec):
     id = CodecId.LZ4
@@ -111,3 +140,28 @@ class Lz4Codec(Codec):
         if not d.eof:
             raise CodecError("lz4 frame longer than the chunk or truncated")
         return _into(raw, layout, out)
+
+    def decoded_pieces(self, payload: memoryview | bytes, layout: KVLayout) -> Iterator[bytes]:
+        d = lz4.frame.LZ4FrameDecompressor()
+        got = 0
+        stalled = 0
+        try:
+            piece = d.decompress(payload, max_length=PIECE_BYTES)
+            while True:
+                got += len(piece)
+                if got > layout.nbytes:
+                    raise CodecError("lz4 frame longer than the chunk")
+                if piece:
+                    stalled = 0
+                    yield piece
+                else:
+                    stalled += 1
+                if d.eof or d.needs_input or stalled > 2:
+                    break
+                piece = d.decompress(b"", max_length=PIECE_BYTES)
+        except RuntimeError as exc:
+            raise CodecError(f"lz4 decompression failed: {exc}") from None
+        if not d.eof:
+            raise CodecError("lz4 frame longer than the chunk or truncated")
+        if got != layout.nbytes:
+            raise CodecError(f"decoded {got} bytes, the layout needs {layout.nbytes}")

@@ -14,6 +14,7 @@ import dataclasses
 
 import numpy as np
 import torch
+import xxhash
 
 from kvmesh.common.chunk_codec import (
     ChunkHeader,
@@ -126,18 +127,43 @@ def _address(data: memoryview | bytes) -> int:
     return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data)
 
 
-def verify_stored(header: ChunkHeader, stored: memoryview | bytes) -> None:
+# A lossless payload claiming more than this is verified piece by piece (bounded
+# memory) rather than decoded whole like a read; below it both take the same path.
+VERIFY_WHOLE_BYTES = 64 << 20
+
+
+def verify_stored(
+    header: ChunkHeader, stored: memoryview | bytes, max_nbytes: int | None = None
+) -> None:
     """CorruptChunk unless stored passes the checks a read would make (a lossless
-    payload is decoded to check the raw chunk's checksum); nothing is kept."""
+    payload is decoded to check the raw chunk's checksum); nothing is kept.
+
+    The chunk's size comes from the header, which a damaged or forged file sets at
+    will: a caller that knows the largest chunk it could have written (its pool's page
+    size) passes it as max_nbytes, and a header over it fails without any decoding.
+    Without one, a lossless payload over VERIFY_WHOLE_BYTES is decoded and hashed a
+    piece at a time, so no buffer of the claimed size is ever allocated."""
+    if max_nbytes is not None and header.nbytes > max_nbytes:
+        raise CorruptChunk(
+            f"header says {header.nbytes} bytes, more than a chunk here ({max_nbytes})"
+        )
     check_stored(header, stored)
     if header.codec is CodecId.NONE:
         check_payload(header, stored)
     elif header.codec.lossless:
+        name = header.codec.name.lower()
+        codec = codec_by_id(header.codec)
         try:
-            raw = codec_by_id(header.codec).decode(stored, layout_of(header))
+            if header.nbytes <= VERIFY_WHOLE_BYTES:
+                raw = codec.decode(stored, layout_of(header))
+                check_payload(header, memoryview(raw.reshape(-1).view(torch.uint8).numpy()))
+                return
+            digest = xxhash.xxh3_64()
+            for piece in codec.decoded_pieces(stored, layout_of(header)):
+                digest.update(piece)
         except CorruptChunk:
             raise
         except Exception as exc:
-            name = header.codec.name.lower()
             raise CorruptChunk(f"{name} payload did not decode: {exc!r}") from None
-        check_payload(header, memoryview(raw.reshape(-1).view(torch.uint8).numpy()))
+        if digest.intdigest() != header.checksum:
+            raise CorruptChunk("payload checksum mismatch")

@@ -200,8 +200,11 @@ class HostMemoryPool:
         """`allocate`, waiting up to timeout_s for a page to be freed by someone else.
 
         It never evicts: a tier evicts first and calls this only when nothing is
-        evictable. Raises AllocationTimeoutError at the deadline.
+        evictable. Raises AllocationTimeoutError at the deadline: at once after one
+        try when timeout_s <= 0; never when it is infinite (or past what a lock wait
+        takes). NaN is a ValueError.
         """
+        _check_timeout(timeout_s)
         deadline = time.monotonic() + timeout_s
         while True:
             obj = self.allocate(shape, dtype, fmt)
@@ -218,9 +221,14 @@ class HostMemoryPool:
         """Block until a page is free (True) or timeout_s passes (False).
 
         Woken by every free; True means a page was free at wake-up, not that the next
-        `allocate` gets it (another thread may win). None waits without a deadline.
-        Raises PoolClosedError if the pool is or gets closed.
+        `allocate` gets it (another thread may win). None (or infinity, or anything
+        past threading.TIMEOUT_MAX) waits without a deadline, timeout_s <= 0 does not
+        wait; NaN is a ValueError. Raises PoolClosedError if the pool is or gets closed.
         """
+        if timeout_s is not None:
+            _check_timeout(timeout_s)
+            if timeout_s >= threading.TIMEOUT_MAX:
+                timeout_s = None  # a lock wait raises OverflowError past it
         with self._cond:
             if self._closed:
                 raise PoolClosedError("wait_for_free() on a closed HostMemoryPool")
@@ -392,6 +400,13 @@ class HostMemoryPool:
             self._layouts.clear()
         self._layouts[(size, dtype)] = (size, nbytes)
         return size, nbytes
+
+
+def _check_timeout(timeout_s: float) -> None:
+    # A NaN deadline compares false both ways: Condition.wait_for then neither waits
+    # nor gives up, and spins a core until a page frees.
+    if math.isnan(timeout_s):
+        raise ValueError("timeout_s must be a number of seconds, got NaN")
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:

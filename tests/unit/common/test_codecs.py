@@ -6,6 +6,7 @@ the codec while uncompressed files keep version 1's bytes."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import msgspec
@@ -418,3 +419,81 @@ def test_chunks_a_codec_cannot_help_are_stored_raw(pool) -> None:
     assert header.codec is Codec.NONE and payload.nbytes == inf.nbytes
     noise.ref_down()
     inf.ref_down()
+
+
+def _forged(codec_id: Codec, nbytes: int, stored: bytes, checksum: int) -> ChunkHeader:
+    return ChunkHeader(
+        KEY,
+        (nbytes,),
+        torch.uint8,
+        MemoryFormat.BINARY,
+        nbytes,
+        checksum,
+        codec_id,
+        len(stored),
+    )
+
+
+@pytest.mark.parametrize("codec", [ZstdCodec(), Lz4Codec()], ids=lambda c: c.name)
+def test_verify_stored_holds_no_chunk_of_the_size_a_header_claims(codec) -> None:
+    # `kvmesh disk scan --verify` decoded a lossless payload whole, into buffers of the
+    # header's size: a 32 KiB zstd file claiming 1 GiB took the scan to 2.2 GiB of RSS
+    # (a larger claim, as much as the kernel would give).
+    import tracemalloc
+
+    import xxhash
+
+    n = 256 << 20
+    zeros = bytes(n)
+    stored = codec.encode(zeros, KVLayout((n,), "uint8", int(MemoryFormat.BINARY)))
+    header = _forged(codec.id, n, stored, xxhash.xxh3_64_intdigest(zeros))
+    del zeros
+    tracemalloc.start()
+    try:
+        verify_stored(header, stored)  # valid: it passes, a piece at a time
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, f"verification held {peak >> 20} MiB"
+    with pytest.raises(CorruptChunk, match="checksum"):
+        verify_stored(dataclasses.replace(header, checksum=header.checksum ^ 1), stored)
+    # A claim the payload does not decode to fails, whichever way it is off.
+    for claim in (n - 1, n + 1, 1 << 40):
+        with pytest.raises(CorruptChunk):
+            verify_stored(dataclasses.replace(header, shape=(claim,), nbytes=claim), stored)
+
+
+def test_verify_stored_rejects_a_header_over_the_callers_bound(monkeypatch) -> None:
+    codec = ZstdCodec()
+    data = os.urandom(4096) * 16
+    stored = codec.encode(data, KVLayout((len(data),), "uint8", int(MemoryFormat.BINARY)))
+    header = _forged(codec.id, len(data), stored, chunk_codec.payload_checksum(data))
+    verify_stored(header, stored, max_nbytes=len(data))
+
+    def no_decode(*args, **kwargs):
+        raise AssertionError("decoded a chunk over the bound")
+
+    monkeypatch.setattr(ZstdCodec, "decode", no_decode)
+    monkeypatch.setattr(ZstdCodec, "decoded_pieces", no_decode)
+    with pytest.raises(CorruptChunk, match="more than a chunk here"):
+        verify_stored(header, stored, max_nbytes=len(data) - 1)
+
+
+@pytest.mark.parametrize("codec", [ZstdCodec(), Lz4Codec()], ids=lambda c: c.name)
+def test_verify_stored_piecewise_checks_what_a_read_checks(codec, monkeypatch) -> None:
+    from kvmesh.common.codecs import lossless
+    from kvmesh.common.codecs import stored as stored_mod
+
+    monkeypatch.setattr(stored_mod, "VERIFY_WHOLE_BYTES", 0)  # every chunk piecewise
+    monkeypatch.setattr(lossless, "PIECE_BYTES", 1000)  # many pieces
+    data = bytes(range(256)) * 64 + os.urandom(3000)
+    layout = KVLayout((len(data),), "uint8", int(MemoryFormat.BINARY))
+    payload = codec.encode(data, layout)
+    header = _forged(codec.id, len(data), payload, chunk_codec.payload_checksum(data))
+    assert b"".join(codec.decoded_pieces(payload, layout)) == data
+    verify_stored(header, payload)
+    bad = bytearray(payload)
+    bad[len(bad) // 2] ^= 0x10
+    for damaged in (bytes(bad), payload[:-1], payload[: len(payload) // 2]):
+        with pytest.raises(CorruptChunk):
+            verify_stored(dataclasses.replace(header, stored_nbytes=len(damaged)), damaged)

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvmesh.common import keys as keys_mod
 from kvmesh.common.keys import ChunkKey, KeyNamespace
 
 BASE = {
@@ -148,6 +149,27 @@ def test_decoding_an_invalid_namespace_fails() -> None:
     raw = msgspec.msgpack.encode({**BASE, "rank": 9})
     with pytest.raises((msgspec.ValidationError, ValueError)):
         msgspec.msgpack.decode(raw, type=KeyNamespace)
+
+
+def test_fields_too_large_for_the_id_encoding_are_value_errors_naming_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The id packs world_size and rank as u64: past that, a ValueError naming the field
+    # (struct.error named none, and msgspec let it escape a decode as is).
+    with pytest.raises(ValueError, match="world_size"):
+        make_ns(world_size=2**64, rank=0)
+    assert make_ns(world_size=2**64 - 1, rank=2**64 - 2).ns_id
+    raw = msgspec.json.encode({**BASE, "world_size": 2**64, "rank": 0})
+    with pytest.raises(msgspec.ValidationError, match="world_size"):
+        msgspec.json.decode(raw, type=KeyNamespace)
+    # A string's UTF-8 length is packed as u32: lowered here, since 4 GiB strings are
+    # too large for a unit test.
+    monkeypatch.setattr(keys_mod, "_MAX_STR_BYTES", 8)
+    short = {"model": "m", "kv_layout": "l", "dtype": "d", "tenant": "t"}
+    for field in short:
+        with pytest.raises(ValueError, match=f"KeyNamespace.{field} "):
+            make_ns(**{**short, field: "é" * 5})  # 5 chars, 10 bytes
+    assert make_ns(**{**short, "model": "x" * 8}).ns_id
 
 
 @given(st.binary(min_size=16, max_size=16), st.binary(min_size=8, max_size=8))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from collections import namedtuple
@@ -388,6 +389,64 @@ def test_allocate_wait_gets_the_page_another_thread_frees() -> None:
     got = p.allocate_wait((8,), torch.uint8, MemoryFormat.BINARY, 5.0)
     assert got.page == obj.page and not got.is_freed
     timer.join()
+    p.close()
+
+
+def _in_thread(fn, timeout_s: float = 2.0) -> object:
+    """fn()'s result or exception, from a thread given timeout_s (a hang is a failure)."""
+    out: list[object] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as e:
+            out.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert out, f"still waiting after {timeout_s}s"
+    return out[0]
+
+
+def test_timeouts_that_are_not_a_number_of_seconds() -> None:
+    p, obj = _full_pool()
+    shape = (8,)
+    # NaN once waited with no deadline (spinning a core) until a page freed.
+    for call in (
+        lambda: p.allocate_wait(shape, torch.uint8, MemoryFormat.BINARY, math.nan),
+        lambda: p.wait_for_free(math.nan),
+    ):
+        try:
+            got = _in_thread(call)
+        finally:
+            if obj.is_freed:  # the waiter took the page: give it back for the next
+                got.ref_down()  # type: ignore[union-attr]
+                obj = p.allocate(shape, torch.uint8, MemoryFormat.BINARY)
+        assert isinstance(got, ValueError) and "NaN" in str(got)
+    # Negative: one try, no wait.
+    start = time.monotonic()
+    assert p.wait_for_free(-1.0) is False
+    with pytest.raises(AllocationTimeoutError):
+        p.allocate_wait(shape, torch.uint8, MemoryFormat.BINARY, -1.0)
+    assert time.monotonic() - start < 0.5
+    # Infinity, or more than a lock wait takes: no deadline (they raised OverflowError
+    # at once), so a free is waited for.
+    for call in (
+        lambda: p.wait_for_free(math.inf),
+        lambda: p.allocate_wait(shape, torch.uint8, MemoryFormat.BINARY, math.inf),
+        lambda: p.wait_for_free(1e300),
+        lambda: p.allocate_wait(shape, torch.uint8, MemoryFormat.BINARY, 1e300),
+    ):
+        timer = threading.Timer(0.1, obj.ref_down)
+        timer.start()
+        got = _in_thread(call)
+        timer.join()
+        if got is True:
+            obj = p.allocate(shape, torch.uint8, MemoryFormat.BINARY)
+        else:
+            assert isinstance(got, MemoryObj) and got.page == obj.page, got
+            obj = got
     p.close()
 
 
