@@ -52,18 +52,20 @@ async def test_a_cancelled_caller_leaves_the_outcome_to_abandoned_once_the_threa
 
 
 async def test_the_loop_serves_other_tasks_while_the_thread_works() -> None:
+    # The thread waits for what only a task on the loop does (ten ticks): with the loop
+    # held for the thread's wait, it would time out instead (a count of ticks in a fixed
+    # time failed on a loaded machine).
     go = threading.Event()
     ticks = 0
 
     async def tick() -> None:
         nonlocal ticks
-        while not go.is_set():
+        while ticks < 10:
             ticks += 1
             await asyncio.sleep(0.001)
+        go.set()
 
     ticker = asyncio.ensure_future(tick())
-    loop = asyncio.get_running_loop()
-    loop.call_later(0.05, go.set)
     assert await offload.offload(go.wait, 5) is True
     await ticker
-    assert ticks > 5
+    assert ticks == 10
