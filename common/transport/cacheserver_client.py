@@ -132,6 +132,9 @@ class CacheServerClient:
         self.max_batch = proto.MAX_BATCH
         self.server_name = ""
         self.late_replies = 0
+        # Connections lost: the server on the next one may be another (a restart that
+        # lost every value), so what a caller remembers of its keys is stale after one.
+        self.disconnects = 0
 
     @property
     def connected(self) -> bool:
@@ -225,6 +228,7 @@ class CacheServerClient:
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._up.set()
             elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self.disconnects += 1
                 self._up.clear()
                 self._session = False
                 self._fail_pending(CacheServerUnavailable("connection to cache-server lost"))

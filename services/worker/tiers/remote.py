@@ -118,6 +118,7 @@ class RemoteTier:
         self._tasks: set[asyncio.Task] = set()
         self._monitor: asyncio.Task | None = None
         self._closed = False
+        self._disconnects_seen = 0
         loop.call_soon(self._start)
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -132,6 +133,11 @@ class RemoteTier:
         await self.connector.ping()
 
     def _health_changed(self, up: bool, reason: str) -> None:
+        if up:
+            # Back after being down: the remote may have restarted and lost what it
+            # held, and a key still remembered as present would be neither counted
+            # right nor stored again until its TTL ran out.
+            self.presence.clear()
         self.stats.up.set(1 if up else 0)
         self.stats.went["up" if up else "down"].inc()
 
@@ -142,6 +148,12 @@ class RemoteTier:
         if self.connector.connected() is False:
             self.health.lost("connection lost")
             return False
+        # A connector that counts its lost connections (the cache-server's) tells of a
+        # restart even when it was too quick for the health monitor to see it down.
+        lost = getattr(self.connector, "disconnects", None)
+        if lost is not None and lost != self._disconnects_seen:
+            self._disconnects_seen = lost
+            self.presence.clear()
         return True
 
     def wait_ready(self, timeout: float) -> bool:

@@ -61,6 +61,10 @@ class HealthMonitor:
             self._set(False, reason)
 
     def _set(self, up: bool, reason: str) -> None:
+        if self._on_change is not None:
+            # Before `up` changes: other threads act on it at once, so what the change
+            # resets (the tier's memory of the remote's keys) must be reset by then.
+            self._on_change(up, reason)
         self.up = up
         self.reason = reason
         self.since = time.monotonic()
@@ -74,8 +78,6 @@ class HealthMonitor:
                 reason=reason,
             )
             self._wake.set()
-        if self._on_change is not None:
-            self._on_change(up, reason)
 
     async def _try(self, fn: Callable[[], Awaitable[object]]) -> None:
         async with asyncio.timeout(self.timeout_s):

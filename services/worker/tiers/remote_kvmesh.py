@@ -71,6 +71,11 @@ class KvmeshConnector:
     def connected(self) -> bool | None:
         return self.client is not None and self.client.connected
 
+    @property
+    def disconnects(self) -> int:
+        """Connections to the server lost: it may have restarted since the last one."""
+        return self.client.disconnects if self.client is not None else 0
+
     async def reconnect(self) -> None:
         if self.client is None:
             self.client = CacheServerClient(
