@@ -99,6 +99,10 @@ class PeerConnection:
             raise failed from None
         finally:
             self._pending.pop(msg.rid, None)
+            if fut.done() and not fut.cancelled():
+                # Failed by _break (this request's own timeout, or another's while this
+                # one still sent): read, or asyncio logs it as never retrieved.
+                fut.exception()
         if isinstance(reply, proto.ErrorReply):
             raise PeerError(
                 f"{self.endpoint} refused: code {reply.code}: {reply.message}", reply.code

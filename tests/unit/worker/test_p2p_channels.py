@@ -5,6 +5,8 @@ cancelled, and how one connection's failure reaches the other requests on it."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -127,6 +129,35 @@ def test_dropping_a_failed_connection_leaves_a_newer_one() -> None:
         conns.close()
 
     asyncio.run(_with_peer(silent, body))
+
+
+def test_requests_failed_by_a_timeout_leave_no_unread_error() -> None:
+    """A timeout fails every pending reply future, its own and those of requests still
+    sending (with no peer to take them, IMMEDIATE, sends wait). Each request ends with
+    a PeerError; the failures set on their futures must have been read, not logged at
+    collection as "Future exception was never retrieved" (one per timeout in the
+    engine's log)."""
+    unread: list[str] = []
+
+    async def body() -> None:
+        asyncio.get_running_loop().set_exception_handler(
+            lambda loop, ctx: unread.append(str(ctx.get("message")))
+        )
+        with socket.socket() as s:  # a port where nothing listens
+            s.bind(("127.0.0.1", 0))
+            endpoint = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        conns = PeerConnections()
+        conn = conns.get(endpoint)
+        first = asyncio.create_task(conn.request(proto.Hello(conn.next_rid(), 1), 0.1))
+        second = asyncio.create_task(conn.request(proto.Hello(conn.next_rid(), 1), 0.4))
+        for task in (first, second):
+            with pytest.raises(PeerError, match="did not answer"):
+                await task
+        conns.close()
+
+    asyncio.run(body())
+    gc.collect()  # the loop's frames are gone: an unread failure is reported now
+    assert unread == []
 
 
 # -- the ZMQ channel ------------------------------------------------------------------------
