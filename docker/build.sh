@@ -7,17 +7,29 @@
 # images run the versions the tests ran. Needs root, debootstrap and a Docker daemon
 # (docker/dockerd.sh starts one); run `make install` first.
 #   docker/build.sh [services|worker|all]      (default: all)
+# Each step logs to the build context (KVMESH_DOCKER_CONTEXT, default .build/docker) and
+# prints the end of its log when it fails. The images run as uid/gid 10001 (Dockerfile).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TARGET=${1:-all}
 VENV=${KVMESH_VENV:-.venv}
 VERSION=$("$VENV/bin/python" -c "import kvmesh; print(kvmesh.__version__)")
-CTX=.build/docker
+CTX=${KVMESH_DOCKER_CONTEXT:-.build/docker}
 BASE=${KVMESH_BASE_IMAGE:-kvmesh-base:bookworm}
 ROOTFS=${KVMESH_DOCKER_ROOT:-/var/lib/kvmesh-docker}/rootfs-bookworm
 export DOCKER_HOST=${DOCKER_HOST:-$(docker/dockerd.sh)}
 
 log() { printf '\033[1m[images]\033[0m %s\n' "$*" >&2; }
+
+# The project's wheel first: a source that does not build fails here, in seconds, with
+# pip's output, before debootstrap or any image step. A fixed timestamp makes the wheel
+# the same bytes for the same source, so Docker's layer cache holds across builds.
+log "building the kvmesh wheel"
+mkdir -p "$CTX/src"
+rm -f "$CTX"/src/*.whl
+SOURCE_DATE_EPOCH=315532800 "$VENV/bin/python" -m pip wheel -q --no-deps --no-build-isolation \
+  . -w "$CTX/src" >"$CTX/wheel.log" 2>&1 \
+  || { tail -30 "$CTX/wheel.log" >&2; log "the kvmesh wheel did not build (log: $CTX/wheel.log)"; exit 1; }
 
 if ! docker image inspect "$BASE" >/dev/null 2>&1; then
   if [ ! -f "$ROOTFS/.complete" ]; then
@@ -36,7 +48,6 @@ if ! docker image inspect "$BASE" >/dev/null 2>&1; then
 fi
 
 log "vendoring wheels into $CTX"
-mkdir -p "$CTX/src"
 # numpy: torch warns at every import without it (and vLLM needs it anyway).
 "$VENV/bin/python" docker/vendor_wheels.py --quiet --also numpy --out "$CTX/wheels/base"
 if [ "$TARGET" != services ]; then
@@ -52,11 +63,6 @@ if [ "$TARGET" != services ]; then
 else
   mkdir -p "$CTX/wheels/worker"
 fi
-rm -f "$CTX"/src/*.whl
-# A fixed timestamp makes the wheel the same bytes for the same source, so Docker's
-# layer cache holds across builds.
-SOURCE_DATE_EPOCH=315532800 "$VENV/bin/python" -m pip wheel -q --no-deps --no-build-isolation \
-  . -w "$CTX/src" 2>/dev/null
 cp docker/Dockerfile docker/kvmesh.yaml "$CTX/"
 
 build() {  # target tag

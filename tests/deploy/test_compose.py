@@ -131,6 +131,67 @@ def test_every_service_is_healthy(mesh: dict[str, str]) -> None:
     assert health["status"] == "ok", health
 
 
+# -- non-root ------------------------------------------------------------------------------
+KVMESH_UID = 10001  # docker/Dockerfile's KVMESH_UID
+IMAGES = ["kvmesh:0.1.0", "kvmesh-vllm:0.1.0"]
+# The uids of every process in a container (its /proc), and the owner of each path
+# given, as "uid:gid", or "missing".
+PROC_UIDS = """
+import glob, os, sys
+uids = set()
+for status in glob.glob("/proc/[0-9]*/status"):
+    try:
+        uids |= {line.split()[1] for line in open(status) if line.startswith("Uid:")}
+    except OSError:
+        pass  # a process that just ended
+print(" ".join(sorted(uids)))
+for path in sys.argv[1:]:
+    try:
+        st = os.stat(path)
+        print(f"{st.st_uid}:{st.st_gid}", os.access(path, os.W_OK))
+    except FileNotFoundError:
+        print("missing")
+"""
+# service -> the directories it writes: its volume (the image's /var/lib/kvmesh, whose
+# ownership a new named volume copies), and what the process made there at start.
+WRITES = {
+    "controller": ["/var/lib/kvmesh"],
+    "lookup": [],
+    "cacheserver": ["/var/lib/kvmesh", "/var/lib/kvmesh/spill"],
+    "worker": ["/var/lib/kvmesh", "/var/lib/kvmesh/disk", "/home/kvmesh"],
+    "bridge": [],
+}
+
+
+def test_images_run_as_non_root(docker_env: dict[str, str]) -> None:
+    for image in IMAGES:
+        user = _run(["docker", "image", "inspect", "--format", "{{.Config.User}}", image],
+                    docker_env, 60).strip()  # fmt: skip
+        assert user == f"{KVMESH_UID}:{KVMESH_UID}", (image, user)
+        out = _run(["docker", "run", "--rm", "--network", "none", "--entrypoint", "id", image],
+                   docker_env, 120)  # fmt: skip
+        assert out.split()[:2] == [f"uid={KVMESH_UID}(kvmesh)", f"gid={KVMESH_UID}(kvmesh)"], out
+        home = _run(["docker", "run", "--rm", "--network", "none", "--entrypoint", "sh", image,
+                     "-c", 'echo "$HOME"; stat -c %u "$HOME" /var/lib/kvmesh'],
+                    docker_env, 120).split()  # fmt: skip
+        assert home == ["/home/kvmesh", str(KVMESH_UID), str(KVMESH_UID)], (image, home)
+
+
+def test_every_container_runs_as_kvmesh_and_writes_its_volume(mesh: dict[str, str]) -> None:
+    for service, paths in WRITES.items():
+        out = _run([*COMPOSE, "exec", "-T", service, "python", "-c", PROC_UIDS, *paths],
+                   mesh, 60).splitlines()  # fmt: skip
+        # Every process, PID 1 (compose's init) and vLLM's or kvmesh's included.
+        assert out[0] == str(KVMESH_UID), (service, out)
+        for path, owner in zip(paths, out[1:], strict=True):
+            assert owner == f"{KVMESH_UID}:{KVMESH_UID} True", (service, path, owner)
+        cid = _run([*COMPOSE, "ps", "-q", service], mesh, 60).strip()
+        host = _run(["docker", "inspect", "--format",
+                     "{{json .HostConfig.CapDrop}} {{json .HostConfig.SecurityOpt}}", cid],
+                    mesh, 60).split()  # fmt: skip
+        assert [json.loads(h) for h in host] == [["ALL"], ["no-new-privileges:true"]], service
+
+
 def test_repeat_of_a_long_prompt_is_served_from_kvmesh(mesh: dict[str, str]) -> None:
     prompt = prompt_tokens(2000, seed=11)
     before = hit_tokens()
@@ -246,6 +307,10 @@ def curve_mesh(
     for name in ("client", "admin"):
         shutil.copy(keys / f"{name}.key", keys / "allowed")
     (keys / "http-token").write_text("compose-test-token\n")
+    # curve.yaml's step for the containers' user: the secret files are 0600, the
+    # containers run as uid 10001 (they read nothing they do not own).
+    for path in [keys, *keys.rglob("*")]:
+        os.chown(path, KVMESH_UID, KVMESH_UID)
     env = {**docker_env, "KVMESH_KEYS_DIR": str(keys)}
     compose = [*COMPOSE, "-f", str(ROOT / "docker/compose/curve.yaml")]
     _run([*compose, "--profile", "pd", "down", "-v", "--remove-orphans"], env, 180)

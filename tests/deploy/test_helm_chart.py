@@ -439,6 +439,9 @@ def test_podman_deployments_and_host_network(rendered: dict, tmp_path: Path) -> 
         assert env_of(container(w))["POD_IP"]["value"] == "127.0.0.1"
     decoders = _load(tmp_path, docs).bridge.decoders
     assert [d.url for d in decoders] == [f"http://{full_name('worker')}:18000"]
+    # shmSize "": podman's own /dev/shm (its Memory emptyDir would be root's, 0755).
+    assert "shm" not in {v["name"] for v in pod_spec(worker)["volumes"]}
+    assert "shm" not in {m["name"] for m in container(worker)["volumeMounts"]}
     for value_set in ("default", "pd", "redis-remote"):
         for w in workloads(rendered[value_set]):
             spec = pod_spec(w)
@@ -756,6 +759,11 @@ BAD_VALUES = [
     ({"grafanaDashboard": {"enabled": "yes"}}, "grafanaDashboard.enabled"),
     ({"controller": {"ports": {"events": -1}}}, "controller.ports.events"),
     ({"controller": {"ports": {"eventsReplay": 70000}}}, "controller.ports.eventsReplay"),
+    # IPv6 only in brackets: "::1:6379" cannot say where the address ends.
+    ({"remote": {"redis": {"hosts": ["::1:6379"]}}}, "remote.redis.hosts.0"),
+    ({"remote": {"redis": {"hosts": ["redis:6379/0"]}}}, "remote.redis.hosts.0"),
+    ({"remote": {"redis": {"hosts": ["[::1:6379"]}}}, "remote.redis.hosts.0"),
+    ({"cacheserver": {"pdb": {"minAvailable": -1}}}, "cacheserver.pdb.minAvailable"),
 ]  # fmt: skip
 
 
@@ -933,3 +941,124 @@ def test_grafana_dashboard_configmap(rendered: dict) -> None:
         assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
         assert cm["metadata"]["labels"]["team"] == "inference"
         assert json.loads(cm["data"]["kvmesh.json"]) == json.loads(dash)
+
+
+# --- pod security: non-root, no capabilities ------------------------------------------------
+
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+
+
+def _image_uid() -> int:
+    """The uid docker/Dockerfile runs its images as (ARG KVMESH_UID)."""
+    (line,) = [ln for ln in DOCKERFILE.read_text().splitlines() if ln.startswith("ARG KVMESH_UID=")]
+    return int(line.split("=", 1)[1])
+
+
+@pytest.mark.parametrize("value_set", SETS)
+def test_every_pod_runs_as_non_root_without_capabilities(rendered: dict, value_set: str) -> None:
+    uid = _image_uid()
+    assert uid != 0
+    docs = rendered[value_set]
+    assert workloads(docs)
+    for w in workloads(docs):
+        name = w["metadata"]["name"]
+        pod = pod_spec(w)["securityContext"]
+        assert pod["runAsNonRoot"] is True, name
+        # The image's own uid: its directories (HOME, /var/lib/kvmesh) are that uid's.
+        assert (pod["runAsUser"], pod["runAsGroup"]) == (uid, uid), name
+        # Volumes (PVCs, emptyDirs) and the 0440 Secrets belong to the pod's group.
+        assert pod["fsGroup"] == uid, name
+        assert pod["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        for c in pod_spec(w)["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, (name, c["name"])
+            assert sc["capabilities"] == {"drop": ["ALL"]}, (name, c["name"])
+            assert not sc.get("privileged"), (name, c["name"])
+            assert sc.get("runAsUser", uid) != 0 and sc.get("runAsNonRoot", True), name
+
+
+def test_security_contexts_can_be_changed(helm: str, tmp_path: Path) -> None:
+    """Values merge into the defaults; null drops a key (a cluster that assigns uids
+    itself, as OpenShift does), a capability can be added back."""
+    values = {
+        "podSecurityContext": {"runAsUser": None, "runAsGroup": None, "fsGroup": None,
+                               "fsGroupChangePolicy": None},
+        "securityContext": {"capabilities": {"add": ["NET_BIND_SERVICE"]}},
+    }  # fmt: skip
+    docs = parse(render_text(helm, ["-f", str(values_file(tmp_path, values))]))
+    for w in workloads(docs):
+        assert pod_spec(w)["securityContext"] == {
+            "runAsNonRoot": True,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }
+        assert container(w)["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]},
+        }
+
+
+# --- PodDisruptionBudget: minAvailable 0 is a count -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pdb", "want"),
+    [
+        ({"minAvailable": 0}, {"minAvailable": 0}),
+        ({"minAvailable": 0, "maxUnavailable": 2}, {"minAvailable": 0}),
+        ({"minAvailable": "0%"}, {"minAvailable": "0%"}),
+        ({"minAvailable": 2}, {"minAvailable": 2}),
+        ({"minAvailable": "50%"}, {"minAvailable": "50%"}),
+        ({"minAvailable": ""}, {"maxUnavailable": 1}),
+        ({"minAvailable": "", "maxUnavailable": 0}, {"maxUnavailable": 0}),
+    ],
+    ids=["0", "0-over-max", "0%", "2", "50%", "unset", "max-0"],
+)
+def test_pdb_min_available_as_written(helm: str, tmp_path: Path, pdb: dict, want: dict) -> None:
+    values = {"cacheserver": {"pdb": pdb}}
+    docs = parse(render_text(helm, ["-f", str(values_file(tmp_path, values))]))
+    spec = one(docs, "PodDisruptionBudget", full_name("cacheserver"))["spec"]
+    assert {k: v for k, v in spec.items() if k != "selector"} == want
+    # --set gives helm an int64 where a values file gives a float64: the same answer.
+    if pdb == {"minAvailable": 0}:
+        docs = parse(render_text(helm, ["--set", "cacheserver.pdb.minAvailable=0"]))
+        spec = one(docs, "PodDisruptionBudget", full_name("cacheserver"))["spec"]
+        assert spec["minAvailable"] == 0 and "maxUnavailable" not in spec
+
+
+# --- remote.redis.hosts: what kvmesh's loader and connectors accept -------------------------
+
+
+@pytest.mark.parametrize(
+    ("backend", "hosts", "url", "nodes"),
+    [
+        ("redis", ["[::1]:6379"], "redis://[::1]:6379/0", [("::1", 6379)]),
+        ("redis", ["redis-master.redis.svc"], "redis://redis-master.redis.svc/0",
+         [("redis-master.redis.svc", 6379)]),
+        ("redis-cluster", ["[::1]:7000", "[fd00::2]:7001", "10.0.0.3:7002", "redis-3"],
+         "redis-cluster://[::1]:7000,[fd00::2]:7001,10.0.0.3:7002,redis-3",
+         [("::1", 7000), ("fd00::2", 7001), ("10.0.0.3", 7002), ("redis-3", 6379)]),
+    ],
+    ids=["redis-ipv6", "redis-no-port", "cluster-mixed"],
+)  # fmt: skip
+def test_redis_hosts_ipv6_and_default_port(
+    helm: str, tmp_path: Path, backend: str, hosts: list[str], url: str, nodes: list
+) -> None:
+    from redis.asyncio import Redis
+
+    from kvmesh.services.worker.tiers.remote_connector import host_ports
+
+    values = {"remote": {"backend": backend, "redis": {"hosts": hosts}},
+              "cacheserver": {"enabled": False}}  # fmt: skip
+    vf = values_file(tmp_path, values)
+    proc = run([helm, "lint", "--strict", str(CHART), "-f", str(vf)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cfg = _load(tmp_path, parse(render_text(helm, ["-f", str(vf)])))
+    assert cfg.engine.remote.enabled and cfg.engine.remote.url == url
+    # What the worker's Redis connectors make of the URL: the nodes they dial.
+    rest = url.partition("://")[2].split("/", 1)[0]
+    if backend == "redis-cluster":
+        assert host_ports(rest, 6379) == nodes
+    else:
+        kw = Redis.from_url(url).connection_pool.connection_kwargs
+        # No port in the URL: redis-py's connection default, 6379.
+        assert [(kw["host"], kw.get("port", 6379))] == nodes

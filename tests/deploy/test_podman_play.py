@@ -324,3 +324,40 @@ def test_completion_through_the_bridge(played: dict[str, Any]) -> None:
         answer = json.loads(resp.read())
     assert answer["choices"][0]["finish_reason"] in ("length", "stop"), answer
     assert answer["usage"]["completion_tokens"] >= 1, answer
+
+
+def test_pods_run_as_the_image_user_without_capabilities(played: dict[str, Any]) -> None:
+    """The chart's security contexts reach the containers podman runs: uid/gid 10001
+    (not root), no capabilities, no-new-privileges, seccomp filtering; and each
+    volume the chart mounts for writing (snapshot, spill, disk tier) is writable."""
+    test_every_component_healthy(played)
+    docs, env = played["docs"], played["env"]
+    for d in docs:
+        if d["kind"] != "Deployment":
+            continue
+        c = container(d)
+        pod_sc, sc = pod_spec(d)["securityContext"], c["securityContext"]
+        uid, gid = pod_sc["runAsUser"], pod_sc["runAsGroup"]
+        assert uid != 0 and pod_sc["runAsNonRoot"] is True
+        assert sc["capabilities"] == {"drop": ["ALL"]} and sc["allowPrivilegeEscalation"] is False
+        name = f"{d['metadata']['name']}-pod-0-{c['name']}"
+        (info,) = json.loads(_must(_run(["podman", "inspect", name], env), f"inspect {name}"))
+        assert info["Config"]["User"] == f"{uid}:{gid}", name
+        assert not info["EffectiveCaps"] and not info["BoundingCaps"], name
+        assert "no-new-privileges" in info["HostConfig"]["SecurityOpt"], name
+        writable = [m["mountPath"] for m in c["volumeMounts"]
+                    if m["name"] in ("snapshot", "spill", "disk")]  # fmt: skip
+        script = (
+            'grep -E "^(Uid|Gid|CapEff|NoNewPrivs|Seccomp):" /proc/1/status | tr -s "\\t" " "; '
+            'for p in "$@"; do test -w "$p" && echo "writable $p"; done'
+        )
+        out = _must(_run(["podman", "exec", name, "sh", "-c", script, "sh", *writable], env),
+                    f"exec {name}").splitlines()  # fmt: skip
+        assert out[:5] == [
+            f"Uid: {uid} {uid} {uid} {uid}",
+            f"Gid: {gid} {gid} {gid} {gid}",
+            "CapEff: 0000000000000000",
+            "NoNewPrivs: 1",
+            "Seccomp: 2",
+        ], (name, out)
+        assert out[5:] == [f"writable {p}" for p in writable], (name, out)
