@@ -313,7 +313,9 @@ class ControllerClient:
             loop = self.engine.loop
             if not self.registered or not keys or loop.in_loop_thread():
                 return None
-            return loop.run(self.alocate(keys, timeout), timeout + 0.5)
+            # The caller is vLLM's scheduler: a busy loop costs it at most the lookup's
+            # deadline again (it was half a second more, ten times the default).
+            return loop.run(self.alocate(keys, timeout), 2 * timeout)
         except Exception:
             return None
 

@@ -11,6 +11,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -111,6 +112,29 @@ def test_events_reach_the_registry_and_lookups_route_to_the_holder(controller) -
             eng.close()
     # A clean close deregisters: nothing of theirs is left.
     wait_for(lambda: not set(chunks_of(controller)) & {"A/0", "B/0", "C/0"}, what="deregistration")
+
+
+def test_a_peer_lookup_keeps_near_its_deadline_while_the_engine_loop_is_busy(controller) -> None:
+    """The P2P tier asks from vLLM's scheduler thread: with the engine's loop held (a
+    long copy on it), the answer is a miss near the lookup's deadline, not half a
+    second later (the old grace) with the scheduler stalled."""
+    a = build_engine("A3", controller.url, p2p_endpoint="tcp://127.0.0.1:1005")
+    b = build_engine("B3", controller.url, p2p_endpoint="tcp://127.0.0.1:1006")
+    try:
+        toks = tokens(32, 3)
+        store(a, toks)
+        wait_for(lambda: chunks_of(controller).get("A3/0") == {"l1": 4}, what="A3's admits")
+        assert b.peer_locator.locate(keys_of(b, toks), 2.0).count == 4
+        held = threading.Event()
+        b.loop.call_soon(lambda: (held.set(), time.sleep(1.5)))
+        assert held.wait(5.0)
+        t0 = time.monotonic()
+        assert b.peer_locator.locate(keys_of(b, toks), 0.05) is None
+        took = time.monotonic() - t0
+        assert took < 0.35, took
+    finally:
+        for eng in (a, b):
+            eng.close()
 
 
 def test_killed_worker_is_dropped_within_three_heartbeats(controller) -> None:
