@@ -33,6 +33,12 @@ class LazyPool:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pid = 0
         self._lock = threading.Lock()
+        # A fork while another thread holds the lock leaves it held for good in the
+        # child: the child starts from a fresh one.
+        os.register_at_fork(after_in_child=self._fresh_lock)
+
+    def _fresh_lock(self) -> None:
+        self._lock = threading.Lock()
 
     def get(self) -> concurrent.futures.ThreadPoolExecutor:
         pool = self._pool

@@ -212,28 +212,42 @@ class Handlers:
         if held is None or entry.held_overflow:
             return
         if len(held) >= MAX_HELD_BATCHES:
-            bound = "batches"
-        else:
-            cost = held_cost(msg)
-            if entry.held_bytes + cost > MAX_HELD_BYTES:
-                bound = "bytes"
-            elif self.held_bytes + cost > MAX_HELD_BYTES_TOTAL:
-                bound = "total_bytes"
-            else:
-                held.append(msg)
-                entry.held_bytes += cost
-                self.held_bytes += cost
-                self.stats.held_bytes.set(self.held_bytes)
+            self._overflow(entry, "batches")
+            return
+        cost = held_cost(msg)
+        if entry.held_bytes + cost > MAX_HELD_BYTES:
+            self._overflow(entry, "bytes")
+            return
+        # Over the total, the largest holder gives its batches up first: dropping the
+        # sender's (maybe none) would free nothing, and every worker after it would
+        # resync too (after a controller restart all of them send their states at once).
+        while self.held_bytes + cost > MAX_HELD_BYTES_TOTAL:
+            largest = max(
+                (e for e in self.registry.workers.values() if e.held_bytes and e is not entry),
+                key=lambda e: e.held_bytes,
+                default=None,
+            )
+            if largest is None or largest.held_bytes <= entry.held_bytes + cost:
+                self._overflow(entry, "total_bytes")
                 return
+            self._overflow(largest, "total_bytes")
+        held.append(msg)
+        entry.held_bytes += cost
+        self.held_bytes += cost
+        self.stats.held_bytes.set(self.held_bytes)
+
+    def _overflow(self, entry: WorkerEntry, bound: str) -> None:
+        """Drop entry's held batches (freed now: the resync after its state replaces
+        what they say) and ignore its later ones until then."""
         log.warning(
             "held event batches dropped, the worker resyncs after its full state",
             worker=entry.worker_id,
             bound=bound,
-            batches=len(held) + 1,
+            batches=len(entry.held or ()),
             held_bytes=entry.held_bytes,
             all_held_bytes=self.held_bytes,
         )
-        self._set_held(entry, [])  # freed now: the resync replaces what they say
+        self._set_held(entry, [])
         entry.held_overflow = True
         self.stats.held_overflows[bound].inc()
 

@@ -100,6 +100,9 @@ def test_lingering_refusals_neither_block_accepts_nor_pile_up(full_server, monke
     """Refused clients that never hang up: each is closed after linger_s, the next
     one is answered meanwhile, and past max_pending they are closed at once."""
     monkeypatch.setattr(m._Refuser, "max_pending", 8)
+    # Long enough that none expires while twelve connect on a loaded machine; refusals
+    # that waited out one another's linger would take 44 s.
+    monkeypatch.setattr(m._Refuser, "linger_s", 4.0)
     srv, _ = full_server
     port = srv.server_address[1]
     quiet = []
@@ -109,8 +112,8 @@ def test_lingering_refusals_neither_block_accepts_nor_pile_up(full_server, monke
         c.sendall(HEAD)
         assert c.recv(100).startswith(b"HTTP/1.0 503")
         quiet.append(c)
-    # Twelve answered without waiting out one another's linger (1 s each).
-    assert time.monotonic() - t0 < 1.0
+    # Twelve answered without waiting out one another's linger (4 s each).
+    assert time.monotonic() - t0 < 3.0
     assert srv._refuser._pending == 8
     deadline = time.monotonic() + m._Refuser.linger_s + 2
     while srv._refuser._pending and time.monotonic() < deadline:

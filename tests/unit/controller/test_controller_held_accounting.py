@@ -65,6 +65,35 @@ async def test_the_total_held_across_workers_is_bounded(monkeypatch: pytest.Monk
     assert h.held_bytes == 0 and h.stats.held_bytes._value.get() == 0
 
 
+async def test_over_the_total_the_largest_holder_gives_up_its_batches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One worker holding the whole total: the next workers' batches are held and the
+    large holder alone resyncs (dropping each sender's freed nothing, and every worker
+    after the first large one resynced)."""
+    h, pushed = handlers()
+    cost = held_cost(batch("a", 1))
+    monkeypatch.setattr(handlers_mod, "MAX_HELD_BYTES", 3 * cost)
+    monkeypatch.setattr(handlers_mod, "MAX_HELD_BYTES_TOTAL", 3 * cost)
+    names = ["a", "b", "c", "d"]
+    peers = {n: register(h, n) for n in names}
+    states = {
+        n: h.full_state(peers[n], proto.FullState(2, f"{n}/0", 0, {"l1": KEYS})) for n in names
+    }
+    for seq in (1, 1001, 2001):
+        h.events(peers["a"], batch("a", seq))
+    assert h.held_bytes == 3 * cost
+    for n in names[1:]:
+        h.events(peers[n], batch(n, 1))
+    assert overflows(h, "total_bytes") == 1
+    assert h.held_bytes == 3 * cost  # b's, c's and d's
+    for n in names:
+        await states[n]
+    reasons = [m.worker_id for m in pushed if isinstance(m, proto.Resync)]
+    assert reasons == ["a/0"]
+    assert h.held_bytes == 0
+
+
 async def test_held_bytes_are_given_back_however_the_state_ends() -> None:
     h, _ = handlers()
     a = register(h, "a")
