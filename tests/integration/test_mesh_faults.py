@@ -321,6 +321,17 @@ def test_peer_killed_mid_p2p_get(mesh: Mesh) -> None:
         assert proc.alive(), proc.describe("is not running")
 
 
+def stored_again_is_read_from_the_remote(eng, remote, prompt: list[int], slots) -> None:
+    """After the remote restarted empty: the prompt stored again (L1 cleared, so it is
+    stored, not found) reaches the remote, and a retrieve with L1 cleared loads all of
+    it from there."""
+    eng.clear(prompt, tier="l1")
+    assert eng.store(prompt, slots) == len(prompt) and remote.flush(5)
+    eng.clear(prompt, tier="l1")
+    assert int(eng.retrieve(prompt, slots).sum()) == len(prompt)
+    assert eng.stats.metrics.value("tokens_hit_total", {"tier": "remote"}) == len(prompt)
+
+
 def test_a_restart_quicker_than_the_health_check_is_still_seen(tmp_path: Path) -> None:
     """The cache-server is killed and back before the health monitor's next ping (and
     no request came meanwhile), so the tier never saw it down. Its lost connection
@@ -338,11 +349,7 @@ def test_a_restart_quicker_than_the_health_check_is_still_seen(tmp_path: Path) -
             srv.start()
             wait_for(lambda: remote.connector.connected(), 10.0, "a new connection")
             assert remote.up, "the restart was noticed by the monitor: not the case tested"
-            eng.clear(prompt, tier="l1")
-            assert eng.store(prompt, slots) == 64 and remote.flush(5)
-            eng.clear(prompt, tier="l1")
-            assert int(eng.retrieve(prompt, slots).sum()) == 64
-            assert eng.stats.metrics.value("tokens_hit_total", {"tier": "remote"}) == 64
+            stored_again_is_read_from_the_remote(eng, remote, prompt, slots)
         finally:
             eng.close()
 
@@ -374,11 +381,7 @@ def test_a_restarted_redis_gets_chunks_stored_again(tmp_path: Path) -> None:
             wait_for(lambda: not remote.up, 10.0, "the remote seen down")
             redis.start()
             assert remote.wait_ready(10.0)
-            eng.clear(prompt, tier="l1")
-            assert eng.store(prompt, slots) == 64 and remote.flush(5)
-            eng.clear(prompt, tier="l1")
-            assert int(eng.retrieve(prompt, slots).sum()) == 64
-            assert eng.stats.metrics.value("tokens_hit_total", {"tier": "remote"}) == 64
+            stored_again_is_read_from_the_remote(eng, remote, prompt, slots)
         finally:
             eng.close()
     finally:

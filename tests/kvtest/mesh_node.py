@@ -16,10 +16,7 @@ any process can check any chunk it loads.
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +32,7 @@ from kvmesh.common.config import (
     RemoteConfig,
 )
 from kvmesh.services.worker.engine import KVEngine
+from kvtest.p2p import serve_commands
 
 CHUNK = 16
 LAYERS, HEADS, HEAD_DIM = 4, 4, 64  # 4 KiB a token, 64 KiB a chunk (a tracked ZMQ send)
@@ -271,6 +269,11 @@ class MeshNode:
         out["node"] = self.name
         return out
 
+    def close(self) -> None:
+        if self._thread is not None:  # a test that failed mid-traffic: end it first
+            self.stop()
+        self.engine.close()
+
     # -- commands ------------------------------------------------------------------------
     def hits(self) -> dict[str, float]:
         m = self.engine.stats.metrics
@@ -334,22 +337,7 @@ class MeshNode:
 
 
 def main() -> None:
-    cfg = json.loads(sys.argv[1])
-    out = os.fdopen(os.dup(1), "w")  # answers here; anything else printed goes to stderr
-    os.dup2(2, 1)
-    node = MeshNode(cfg)
-    print(json.dumps(node.handle({"op": "info"})), file=out, flush=True)
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            answer = node.handle(json.loads(line))
-        except Exception as exc:
-            answer = {"error": repr(exc)}
-        print(json.dumps(answer), file=out, flush=True)
-    if node._thread is not None:  # a test that failed mid-traffic: end it before closing
-        node.stop()
-    node.engine.close()
+    serve_commands(MeshNode)
 
 
 if __name__ == "__main__":
