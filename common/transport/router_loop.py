@@ -57,7 +57,8 @@ class RouterLoop:
 
     `dispatch(peer, msg, values)` is called, on the loop, with each request whose header
     decoded and the frames that followed it; it answers with `send`, or hands slow work
-    to `spawn`.
+    to `spawn`. During the call, `header_nbytes` is the size of msg's frame as received:
+    what msg is worth in bytes, known without encoding it again.
     """
 
     def __init__(
@@ -71,6 +72,7 @@ class RouterLoop:
         self.port = 0
         self.monitor: zmq.Socket | None = None
         self.inflight: set[asyncio.Task] = set()
+        self.header_nbytes = 0
         self._ctx = ctx
         self._dispatch = dispatch
         self._stats = stats
@@ -244,6 +246,7 @@ class RouterLoop:
             self._stats.errors[self.codec.codes(exc.reply.code)].inc()
             self.send(peer, exc.reply)
             return
+        self.header_nbytes = len(frames[1])
         self._dispatch(peer, msg, frames[2:])
 
 

@@ -225,6 +225,12 @@ class ControllerServer:
             self.push(peer, proto.error_reply(msg.rid, ErrorCode.NO_HELLO, "say hello first"))
             return
         self.sessions[peer] = time.monotonic()
+        sized = self.handlers.sized_table.get(type(msg))
+        if sized is not None:
+            reply = sized(peer, msg, self.router.header_nbytes)
+            if reply is not None:
+                self.push(peer, reply)
+            return
         handler = self.handlers.table.get(type(msg))
         # An index snapshot is a task too. A full state is one as well but is not
         # refused: a worker's batches wait for it from its handler's first step on.

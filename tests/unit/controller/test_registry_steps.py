@@ -156,7 +156,7 @@ def test_a_full_state_is_published_in_steps_before_the_batches_held_behind_it() 
     server, pub, entry = full_state_server()
     h, ks = server.handlers, keys(0, 3 * STEP)
     begun = h.full_state(b"w", proto.FullState(1, "I/0", 0, {"l1": ks}))
-    assert h.events(b"w", proto.KVEventBatch(0, "I/0", 1, [(2, ks[0], "l1")])) is None
+    assert h.events(b"w", proto.KVEventBatch(0, "I/0", 1, [(2, ks[0], "l1")]), 0) is None
 
     async def run() -> tuple[object, int]:
         task, turns = asyncio.ensure_future(begun), 0
@@ -199,7 +199,7 @@ def test_a_full_state_stopped_midway_holds_no_batch_and_asks_for_another() -> No
     pushed: list = []
     h.push = lambda peer, msg: pushed.append(msg) or True  # type: ignore[method-assign]
     begun = h.full_state(b"w", proto.FullState(1, "I/0", 0, {"l1": ks}))
-    h.events(b"w", proto.KVEventBatch(0, "I/0", 1, [(2, ks[0], "l1")]))
+    h.events(b"w", proto.KVEventBatch(0, "I/0", 1, [(2, ks[0], "l1")]), 0)
 
     async def run() -> None:
         task = asyncio.ensure_future(begun)
