@@ -107,6 +107,13 @@ def disk() -> None:
     help="Also read every payload and check its checksum. A start reads headers only "
     "(each read verifies its payload), so this reads far more.",
 )
+@click.option(
+    "--max-chunk",
+    default=None,
+    help="The largest chunk the tier's engine can read (its L1 page: `page_bytes` in its "
+    "'engine started' log line, e.g. 4MiB): files whose header claims more are dropped, "
+    "as the tier's re-index drops them.",
+)
 @click.option("--list", "list_files", is_flag=True, help="Print every file that would be dropped.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead.")
 @click.option(
@@ -115,6 +122,7 @@ def disk() -> None:
 def scan(
     directory: str,
     max_size: str | None,
+    max_chunk: str | None,
     policy: str,
     verify: bool,
     list_files: bool,
@@ -132,6 +140,12 @@ def scan(
         limit = parse_size(max_size) if max_size is not None else None
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--max-size") from None
+    try:
+        chunk_limit = parse_size(max_chunk) if max_chunk is not None else None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--max-chunk") from None
+    if chunk_limit is not None and chunk_limit <= 0:
+        raise click.BadParameter("must be > 0", param_hint="--max-chunk")
     listings = [(d, list_dir(d)) for d in tier_dirs(directory)]
     total = sum(len(listing.chunks) for _, listing in listings)
     reports: list[DirReport] = []
@@ -141,7 +155,9 @@ def scan(
             report.drop.extend(
                 (n, _size(path, n), "temporary file (an interrupted write)") for n in listing.temps
             )
-            for f in check_files(path, listing.chunks, verify_payload=verify):
+            for f in check_files(
+                path, listing.chunks, verify_payload=verify, max_nbytes=chunk_limit
+            ):
                 bar.update(1)
                 if f.ok:
                     report.keep.append(f)

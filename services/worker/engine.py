@@ -214,6 +214,9 @@ class KVEngine:
             max_pending_puts=cfg.max_pending_puts,
             metrics=self.stats.metrics,
             codec=codec_from_config(cfg.compression, cfg.cachegen),
+            # A file claiming more than a page (damaged, or of another layout) could
+            # never be read back: the re-index leaves it out.
+            max_chunk_bytes=self.pool.page_size,
         )
 
     def _make_plugin_tier(self, cfg: TierPluginConfig) -> Tier:

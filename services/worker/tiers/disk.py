@@ -153,15 +153,22 @@ class DiskTier:
         max_pending_puts: int = 256,
         metrics: Metrics | None = None,
         codec: Codec | None = None,
+        max_chunk_bytes: int | None = None,
     ) -> None:
         if max_size <= 0:
             raise ValueError(f"max_size must be > 0, got {max_size}")
+        if max_chunk_bytes is not None and max_chunk_bytes <= 0:
+            raise ValueError(f"max_chunk_bytes must be > 0, got {max_chunk_bytes}")
         self.path = str(Path(path))
         self.max_size = int(max_size)
         self.o_direct = o_direct
         self.retry_s = retry_s
         self.max_pending_puts = max_pending_puts
         self.codec = codec  # None: chunks are written raw
+        # The largest chunk a read can land in (the engine's pool page): the re-index
+        # drops files claiming more, which would be a hit and then a failed read each
+        # time. None: not known, every size is indexed.
+        self.max_chunk_bytes = max_chunk_bytes
         self.stats = DiskStats(metrics)
         self.misses = TierMisses(self.name, self.stats.metrics)
         self.stats.capacity.set(self.max_size)
@@ -269,7 +276,8 @@ class DiskTier:
             if self._stop.is_set():
                 break
             part = listing.chunks[start : start + REINDEX_BATCH]
-            batch = list(check_files(self.path, part))  # still oldest first
+            limit = self.max_chunk_bytes
+            batch = list(check_files(self.path, part, max_nbytes=limit))  # still oldest first
             if not self._index_batch(batch, counts):
                 break
             now = time.monotonic()

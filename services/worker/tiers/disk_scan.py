@@ -4,7 +4,8 @@ Shared by the tier's background re-index and `kvmesh disk scan`, so the command 
 exactly what a start would do. A directory holds:
 
 - chunk files (`<key>.kv`): kept when their header is valid, names the same key as the
-  file name and the file is exactly header + payload long; otherwise deleted;
+  file name, claims a chunk no larger than the tier can read (when it is known) and
+  the file is exactly header + payload long; otherwise deleted;
 - temporary files (`.<key>.<n>.<run>.tmp`): a write that never finished (the process died
   mid-write); deleted, except the running tier's own;
 - anything else (the `.lock` file, files a person put there): left alone.
@@ -109,10 +110,19 @@ def read_ahead(path: str, entries: Iterable[tuple[str, int, int]]) -> None:
 
 
 def check_file(
-    path: str, name: str, size: int, mtime_ns: int, verify_payload: bool = False
+    path: str,
+    name: str,
+    size: int,
+    mtime_ns: int,
+    verify_payload: bool = False,
+    max_nbytes: int | None = None,
 ) -> ScannedFile:
     """Read one chunk file's header (and with verify_payload its whole payload) and
-    say whether a start keeps it."""
+    say whether a start keeps it.
+
+    max_nbytes is the largest chunk the tier's reader can hold (its pool's page size):
+    a header claiming more (a damaged or forged file) could never be read back, and a
+    file kept for it would be a hit on every lookup and a failed read on every get."""
     full = os.path.join(path, name)
     try:
         fd = os.open(full, os.O_RDONLY | os.O_CLOEXEC)
@@ -134,10 +144,15 @@ def check_file(
                 raise CorruptChunk(f"{name!r} is not a chunk file name")
             check_key(header, file_key)
             expected = FILE_LAYOUT.total_size(header)
+            if max_nbytes is not None and header.nbytes > max_nbytes:
+                raise CorruptChunk(
+                    f"header says {header.nbytes} bytes, more than a chunk here ({max_nbytes})"
+                )
             if size != expected:
                 raise CorruptChunk(f"size {size} != header + payload {expected}")
             if verify_payload:
-                verify_stored(header, os.pread(fd, size - FILE_LAYOUT.size, FILE_LAYOUT.size))
+                payload = os.pread(fd, size - FILE_LAYOUT.size, FILE_LAYOUT.size)
+                verify_stored(header, payload, max_nbytes)
         except CorruptChunk as exc:
             problem = str(exc)
         return ScannedFile(name, size, mtime_ns, header, problem)
@@ -148,14 +163,17 @@ def check_file(
 
 
 def check_files(
-    path: str, entries: Sequence[tuple[str, int, int]], verify_payload: bool = False
+    path: str,
+    entries: Sequence[tuple[str, int, int]],
+    verify_payload: bool = False,
+    max_nbytes: int | None = None,
 ) -> Iterator[ScannedFile]:
     """`check_file` of each entry in order, each run of READ_AHEAD_FILES hinted first."""
     for start in range(0, len(entries), READ_AHEAD_FILES):
         part = entries[start : start + READ_AHEAD_FILES]
         read_ahead(path, part)
         for entry in part:
-            yield check_file(path, *entry, verify_payload=verify_payload)
+            yield check_file(path, *entry, verify_payload=verify_payload, max_nbytes=max_nbytes)
 
 
 def plan_eviction(

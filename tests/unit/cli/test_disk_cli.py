@@ -100,3 +100,25 @@ def test_scan_rejects_a_bad_size(tier_dir: Path) -> None:
     result = scan(str(tier_dir), "--max-size", "lots")
     assert result.exit_code == 2
     assert "--max-size" in result.output
+
+
+def test_scan_with_max_chunk_drops_a_file_claiming_more(tier_dir: Path) -> None:
+    """A header over the engine's page (--max-chunk) is dropped, as the tier drops it."""
+    d = tier_dir / key_of(0).namespace_id
+    with HostMemoryPool(4 * MiB, 2 * SIZE, pin_memory=False) as big:
+        tier = DiskTier(d, 64 * MiB)
+        obj = make_chunk(big, 7, 2 * SIZE)
+        tier.submit_put(key_of(7), obj)
+        obj.ref_down()
+        tier.flush(5)
+        tier.close()
+    big_file = chunk_file_name(key_of(7))
+    assert "more than a chunk here" not in scan(str(d), "--list").output
+    result = scan(str(d), "--max-chunk", str(SIZE), "--json")
+    assert result.exit_code == 0, result.output
+    (report,) = json.loads(result.output)["directories"]
+    dropped = {x["file"]: x["reason"] for x in report["drop"]}
+    assert dropped[big_file] == f"header says {2 * SIZE} bytes, more than a chunk here ({SIZE})"
+    assert report["keep"] == {"files": 4, "bytes": 4 * FILE}
+    assert big_file in os.listdir(d)  # a scan changes nothing
+    assert scan(str(d), "--max-chunk", "0").exit_code == 2

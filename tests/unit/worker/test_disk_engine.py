@@ -100,6 +100,8 @@ def test_new_engine_on_the_same_directory_finds_the_chunks(tmp_path: Path) -> No
     try:
         assert disk_of(second).wait_indexed(10)
         assert len(second.storage.l1) == 0 and len(disk_of(second)) == 5
+        # Its re-index leaves out files claiming more than a page (test_disk_tier).
+        assert disk_of(second).max_chunk_bytes == second.pool.page_size
         assert second.lookup(prompt, "r") == 40
         dst_slots = torch.randperm(SLOTS)[:40]
         assert second.retrieve(prompt, dst_slots, lookup_id="r").all()

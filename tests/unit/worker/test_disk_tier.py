@@ -243,6 +243,33 @@ def test_chunk_larger_than_the_tier_is_dropped(tmp_path: Path, pool: HostMemoryP
         tier.close()
 
 
+def test_a_file_claiming_a_chunk_over_the_page_is_not_indexed(
+    tmp_path: Path, pool: HostMemoryPool
+) -> None:
+    """A header claiming more than a pool page (a damaged or forged file: here a valid
+    one of a larger geometry) would be a hit on every lookup and a failed read on
+    every get: with the page size known, the re-index drops it."""
+    d = tmp_path / "d"
+    with HostMemoryPool(4 * MiB, 2 * SIZE, pin_memory=False) as big:
+        tier = new_tier(d)
+        put(tier, pool, 0)
+        put(tier, big, 1, 2 * SIZE)
+        tier.flush(5)
+        tier.close()
+    problem = check_file(str(d), chunk_file_name(key_of(1)), 0, 0, max_nbytes=SIZE).problem
+    assert problem == f"header says {2 * SIZE} bytes, more than a chunk here ({SIZE})"
+    assert check_file(str(d), chunk_file_name(key_of(0)), 0, 0, max_nbytes=SIZE).ok
+
+    again = new_tier(d, max_chunk_bytes=pool.page_size)
+    try:
+        assert again.contains(key_of(0)) and not again.contains(key_of(1))
+        assert read_ok(again, pool, 0)
+        assert sorted(chunk_files(d)) == [chunk_file_name(key_of(0))]
+        assert metric(again, "disk_reindex_files_total", result="deleted") == 1
+    finally:
+        again.close()
+
+
 @pytest.mark.parametrize(
     "offset",
     [40, 110, 130, HEADER_SIZE, HEADER_SIZE + SIZE // 2, HEADER_SIZE + SIZE - 1],
@@ -903,8 +930,8 @@ def test_reindex_never_deletes_a_put_that_landed_during_the_scan(
     started = threading.Event()
     real = disk_mod.check_files
 
-    def check_then_put(path, part):
-        out = list(real(path, part))  # the scan saw the misplaced file
+    def check_then_put(path, part, **kw):
+        out = list(real(path, part, **kw))  # the scan saw the misplaced file
         started.wait(5)
         put(holder["tier"], pool, 1)  # meanwhile the engine stores key 1
         holder["tier"].flush(5)
