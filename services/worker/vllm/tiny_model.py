@@ -96,6 +96,7 @@ def build_tiny_model(spec: TinyModelSpec | None = None, root: Path | None = None
         _write_tokenizer(tmp, spec)
         _write_model(tmp, spec)
         (tmp / _STAMP).write_text(json.dumps(dataclasses.asdict(spec), indent=1))
+        _share(tmp)
         try:
             tmp.rename(target)
         except OSError:
@@ -105,6 +106,16 @@ def build_tiny_model(spec: TinyModelSpec | None = None, root: Path | None = None
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _share(path: Path) -> None:
+    """Make the model readable by every user: mkdtemp's directory is 0700 (and the
+    writers' files follow the umask), but one cache is shared by services that run as
+    other users (docker/Dockerfile's, a test's subprocesses)."""
+    for dirpath, _dirs, files in os.walk(path):
+        os.chmod(dirpath, 0o755)
+        for name in files:
+            os.chmod(os.path.join(dirpath, name), 0o644)
 
 
 def prompt_tokens(n: int, seed: int = 0, vocab_size: int = 1024) -> list[int]:
