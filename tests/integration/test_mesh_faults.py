@@ -339,7 +339,9 @@ def test_a_restart_quicker_than_the_health_check_is_still_seen(tmp_path: Path) -
     again reaches the new server instead of being skipped as already there."""
     with CacheServerProcess(tmp_path) as srv:
         view, _, _ = make_cache("cpu", torch.float16, True, blocks=64)
-        eng = remote_engine(srv.url, view, instance="quick", health_interval_s=30.0)
+        eng = remote_engine(
+            srv.url, view, instance="quick", health_interval_s=30.0, presence_ttl_s=600.0
+        )
         remote = eng.storage.tier("remote")
         prompt = list(range(9_000_000, 9_000_064))
         slots = torch.arange(64)
@@ -362,7 +364,7 @@ def test_a_restarted_redis_gets_chunks_stored_again(tmp_path: Path) -> None:
     redis = RedisProcess(tmp_path).start()
     try:
         view, _, _ = make_cache("cpu", torch.float16, True, blocks=64)
-        eng = remote_engine(redis.url, view, instance="redis-restart")
+        eng = remote_engine(redis.url, view, instance="redis-restart", presence_ttl_s=600.0)
         remote = eng.storage.tier("remote")
         forget = remote.presence.clear
 
@@ -381,6 +383,42 @@ def test_a_restarted_redis_gets_chunks_stored_again(tmp_path: Path) -> None:
             wait_for(lambda: not remote.up, 10.0, "the remote seen down")
             redis.start()
             assert remote.wait_ready(10.0)
+            stored_again_is_read_from_the_remote(eng, remote, prompt, slots)
+        finally:
+            eng.close()
+    finally:
+        redis.kill()
+
+
+def test_a_redis_restart_between_health_checks_is_seen_at_its_first_failed_request(
+    tmp_path: Path,
+) -> None:
+    """No health check between Redis's restart and the next requests: redis-py's pooled
+    connection fails once, and that failure must make the tier forget the keys of the
+    old process (else the prompt stored again is dropped as already there)."""
+    redis = RedisProcess(tmp_path).start()
+    try:
+        view, _, _ = make_cache("cpu", torch.float16, True, blocks=64)
+        # Its failed gets must not mark it down (then the stores again would be dropped
+        # as "down" until a health check 30 s later): what is tested is what they forget.
+        eng = remote_engine(
+            redis.url,
+            view,
+            instance="redis-quick",
+            health_interval_s=30.0,
+            presence_ttl_s=600.0,
+            failures_to_down=1000,
+        )
+        remote = eng.storage.tier("remote")
+        prompt = list(range(9_200_000, 9_200_064))
+        slots = torch.arange(64)
+        try:
+            assert eng.store(prompt, slots) == 64 and remote.flush(5)
+            redis.kill()
+            redis.start()
+            eng.clear(prompt, tier="l1")
+            # The first gets meet the dead connection: misses, and the store noticed.
+            assert int(eng.retrieve(prompt, slots).sum()) == 0
             stored_again_is_read_from_the_remote(eng, remote, prompt, slots)
         finally:
             eng.close()

@@ -94,6 +94,9 @@ def engine_config(cfg: dict[str, Any]) -> EngineConfig:
             lookup_timeout_s=0.05,
             health_interval_s=0.1,
             failures_to_down=2,
+            # Never expired within a test: what is asserted of the keys remembered as
+            # present must come from the tier forgetting them, not from their age.
+            presence_ttl_s=600.0,
         ),
         p2p=P2PConfig(enabled=True, channel="zmq", timeout_s=deadline, lookup_timeout_s=0.05),
         controller=EngineControllerConfig(

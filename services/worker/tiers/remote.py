@@ -141,6 +141,19 @@ class RemoteTier:
         self.stats.up.set(1 if up else 0)
         self.stats.went["up" if up else "down"].inc()
 
+    def _failed(self, what: str, exc: BaseException) -> None:
+        """A request failed. Unless it only ran out of time, the store may be another
+        process once it answers again (a restart quicker than the health check, which
+        redis-py's pool hides behind one failed request per connection): the keys
+        remembered as present are forgotten, or chunks stored again would be dropped as
+        duplicates and lookups promise hits every get then misses."""
+        self.health.failure(f"{what}: {exc!r}")
+        if not isinstance(exc, TimeoutError):
+            if self._loop.in_loop_thread():
+                self.presence.clear()
+            else:  # the scheduler's exists: the cache is the loop's to change
+                self._loop.call_soon(self.presence.clear)
+
     def _check_connection(self) -> bool:
         """Up, and (where the connector can tell) still connected."""
         if not self.health.up:
@@ -253,7 +266,7 @@ class RemoteTier:
                 await self.connector.put(key, header, packed, payload)
         except Exception as exc:  # any failure is a dropped put, never the caller's problem
             stats.puts["error"].inc()
-            self.health.failure(f"put: {exc!r}")
+            self._failed("put", exc)
             log.debug("remote put failed", key=key.to_str(), error=repr(exc))
         else:
             self.health.success()
@@ -335,7 +348,7 @@ class RemoteTier:
         except Exception as exc:
             gets["error"].inc()
             self.misses.inc(self._failure_reason(exc, time.perf_counter() - t0))
-            self.health.failure(f"get: {exc!r}")
+            self._failed("get", exc)
             return None
         self.health.success()
         if fetched is None:
@@ -388,7 +401,7 @@ class RemoteTier:
             self._drop_remote_copy(key)
             return "failed"
         except Exception as exc:
-            self.health.failure(f"rewrite: {exc!r}")
+            self._failed("rewrite", exc)
             return "failed"
         finally:
             if obj is not None:
@@ -465,7 +478,7 @@ class RemoteTier:
             return n
         except Exception as exc:
             lookups["error"].inc()
-            self.health.failure(f"exists: {exc!r}")
+            self._failed("exists", exc)
             return n
         for here in found:
             if not here:

@@ -85,7 +85,11 @@ class Connector(Protocol):
         ...
 
     def connected(self) -> bool | None:
-        """False when the connector knows its connection is gone; None if it cannot tell."""
+        """False when the connector knows its connection is gone; None if it cannot tell.
+
+        A connector may also have an int attribute `disconnects`, the connections it has
+        lost: the tier then forgets the keys it remembers as present whenever it grows
+        (the store may have restarted empty, even between two health checks)."""
         ...
 
     async def close(self) -> None: ...
