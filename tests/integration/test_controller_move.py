@@ -46,12 +46,6 @@ class Node(KvtestProcess):
         assert "error" not in info, info
         return info
 
-    def __call__(self, **cmd: object) -> dict:
-        self.send_line(json.dumps(cmd))
-        answer = json.loads(self.read_line(20.0))
-        assert "error" not in answer, answer
-        return answer
-
     def chunks(self, keys: list[str]) -> dict[str, str | None]:
         return self(op="chunks", keys=keys)["chunks"]
 

@@ -48,12 +48,6 @@ class Node(KvtestProcess):
         self.info = self.wait_ready(timeout)
         return self
 
-    def __call__(self, timeout: float = 30.0, **cmd) -> dict:
-        self.send_line(json.dumps(cmd))
-        answer = json.loads(self.read_line(timeout))
-        assert "error" not in answer, (cmd, answer)
-        return answer
-
     def wait(self, op: str, key: str, want: object, timeout: float = RECOVER_S) -> float:
         """Seconds until the answer to op has key == want (AssertionError after timeout)."""
         t0 = time.monotonic()

@@ -46,12 +46,6 @@ class NodeProcess(KvtestProcess):
         assert "error" not in self.info, self.info
         return self.info
 
-    def __call__(self, timeout: float = 20.0, **cmd) -> dict:
-        self.send_line(json.dumps(cmd))
-        answer = json.loads(self.read_line(timeout))
-        assert "error" not in answer, answer
-        return answer
-
     @property
     def endpoint(self) -> str:
         assert self.info is not None

@@ -340,6 +340,14 @@ class KvtestProcess(ServiceProcess):
             stop_grace_s=stop_grace_s,
         )
 
+    def __call__(self, timeout: float = 30.0, **cmd: Any) -> dict:
+        """One command to a process serving them (kvtest.p2p.serve_commands): its JSON
+        answer, which must not be an error."""
+        self.send_line(json.dumps(cmd))
+        answer = json.loads(self.read_line(timeout))
+        assert "error" not in answer, (cmd, answer)
+        return answer
+
 
 def _with_tests(pythonpath: str) -> str:
     # Prepended, not replaced: a run against another checkout sets PYTHONPATH, and
