@@ -83,6 +83,14 @@ class RouterLoop:
         self._partial: list[zmq.Frame] | None = None
         self._more = False
         self._dropped = 0
+        # A send made outside _on_readable (a timer's push, a task's answer) reads the
+        # socket's pending commands, and with them the FD's edge: requests that arrived
+        # meanwhile would sit unread until another connection woke the socket (a
+        # controller thawed from a pause served nobody for 10 s and more). Such a send
+        # schedules one more read; several share it.
+        self._reading = False
+        self._reread = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(
         self,
@@ -124,7 +132,7 @@ class RouterLoop:
                 self.monitor = None
             raise
         self._sock = sock
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         loop.add_reader(sock.getsockopt(zmq.FD), self._on_readable)
         loop.call_soon(self._on_readable)
         return self.port
@@ -154,6 +162,10 @@ class RouterLoop:
         except zmq.ZMQError as exc:
             log.debug("message not sent", error=str(exc))
             return False
+        finally:
+            if not self._reading and not self._reread and self._loop is not None:
+                self._reread = True
+                self._loop.call_soon(self._read_again)
 
     def spawn(
         self, peer: bytes, msg: Any, handler: Callable[..., Awaitable[Answer]], *args: Any
@@ -176,14 +188,23 @@ class RouterLoop:
             reply, values = self.codec.error_reply(msg.rid, internal, repr(exc)), ()
         if reply is not None:
             self.send(peer, reply, values)
-        self._on_readable()  # the send may have swallowed the FD's edge
+
+    def _read_again(self) -> None:
+        self._reread = False
+        self._on_readable()
 
     def _on_readable(self) -> None:
         """Serve what the socket holds (ZMQ's FD is edge-triggered, so drain it), at most
         FRAME_BUDGET frames per turn so timers and other callbacks still run."""
-        sock = self._sock
-        if sock is None:
+        if self._sock is None:
             return
+        self._reading = True
+        try:
+            self._drain(self._sock)
+        finally:
+            self._reading = False
+
+    def _drain(self, sock: zmq.Socket) -> None:
         budget = FRAME_BUDGET
         while budget > 0:
             if self._partial is None:

@@ -146,6 +146,16 @@ class ServiceProcess:
             self.proc.wait(10)
         self._finish()
 
+    def freeze(self, seconds: float) -> None:
+        """SIGSTOP it for `seconds`, then SIGCONT: its connections stay open and nothing
+        answers (a paused VM, a process swapped out)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            self.proc.send_signal(signal.SIGCONT)
+
     def stop(self, grace_s: float | None = None) -> int | None:
         """Ask it to exit, SIGKILL it after grace_s (default stop_grace_s); its exit
         code (None if it was never launched)."""
