@@ -81,6 +81,10 @@ class AdminHttp:
                 body = await request.read()
         except TimeoutError:
             return await _respond(request, 408, {"error": "body not sent in time"})
+        except ConnectionResetError:
+            # The client hung up mid-body: nobody to answer, and not our error (aiohttp
+            # would log it with a traceback).
+            return web.Response(status=400)
         except web.HTTPRequestEntityTooLarge:
             return await _respond(request, 400, {"error": f"body over {MAX_BODY_BYTES} bytes"})
         try:

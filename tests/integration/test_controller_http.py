@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
+import struct
 from collections.abc import AsyncIterator
 
 import pytest
@@ -154,3 +156,26 @@ async def test_client_that_never_reads_a_large_answer_is_cut_off(
     finally:
         for c in clients:
             c.close()
+
+
+async def test_a_client_that_hangs_up_mid_body_is_not_logged_as_an_error(
+    controller: ControllerServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client reset half-way through its body (a scraper killed, a fuzzer) leaves no
+    one to answer: it is not the controller's error (aiohttp logged it with a
+    traceback), and the API goes on answering."""
+    assert controller.http is not None
+    _, w = await asyncio.open_connection("127.0.0.1", controller.http.port)
+    w.write(b"POST /clear HTTP/1.1\r\nHost: c\r\nContent-Length: 1000\r\n\r\n" + b'{"inst')
+    await w.drain()
+    await asyncio.sleep(0.2)  # the handler is reading the body
+    w.get_extra_info("socket").setsockopt(
+        socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+    )  # a reset, not a FIN
+    w.close()
+    await asyncio.sleep(0.3)
+    assert [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.ERROR] == []
+    status, _ = await request(
+        controller, b"GET /health HTTP/1.1\r\nHost: c\r\nConnection: close\r\n\r\n"
+    )
+    assert status == 200
