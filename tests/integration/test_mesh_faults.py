@@ -11,11 +11,13 @@ crashed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -326,28 +328,39 @@ def stored_again_is_read_from_the_remote(eng, remote, prompt: list[int], slots) 
     assert eng.stats.metrics.value("tokens_hit_total", {"tier": "remote"}) == len(prompt)
 
 
+@contextlib.contextmanager
+def stored_prompt(
+    url: str, instance: str, first: int, **remote: object
+) -> Iterator[tuple[Any, Any, list[int], torch.Tensor]]:
+    """An engine over the remote at url that has stored a 64-token prompt there:
+    (engine, its remote tier, prompt, slots), closed at the end. Presence entries live
+    600 s, so only the tier forgetting them can make it store the prompt again."""
+    view, _, _ = make_cache("cpu", torch.float16, True, blocks=64)
+    eng = remote_engine(url, view, instance=instance, presence_ttl_s=600.0, **remote)
+    try:
+        tier = eng.storage.tier("remote")
+        prompt, slots = list(range(first, first + 64)), torch.arange(64)
+        assert eng.store(prompt, slots) == 64 and tier.flush(5)
+        yield eng, tier, prompt, slots
+    finally:
+        eng.close()
+
+
 def test_a_restart_quicker_than_the_health_check_is_still_seen(tmp_path: Path) -> None:
     """The cache-server is killed and back before the health monitor's next ping (and
     no request came meanwhile), so the tier never saw it down. Its lost connection
     still tells it that what it knew of the server's keys is gone: a chunk stored
     again reaches the new server instead of being skipped as already there."""
-    with CacheServerProcess(tmp_path) as srv:
-        view, _, _ = make_cache("cpu", torch.float16, True, blocks=64)
-        eng = remote_engine(
-            srv.url, view, instance="quick", health_interval_s=30.0, presence_ttl_s=600.0
-        )
-        remote = eng.storage.tier("remote")
-        prompt = list(range(9_000_000, 9_000_064))
-        slots = torch.arange(64)
-        try:
-            assert eng.store(prompt, slots) == 64 and remote.flush(5)
-            srv.kill()
-            srv.start()
-            wait_for(lambda: remote.connector.connected(), 10.0, "a new connection")
-            assert remote.up, "the restart was noticed by the monitor: not the case tested"
-            stored_again_is_read_from_the_remote(eng, remote, prompt, slots)
-        finally:
-            eng.close()
+    with (
+        CacheServerProcess(tmp_path) as srv,
+        stored_prompt(srv.url, "quick", 9_000_000, health_interval_s=30.0) as stored,
+    ):
+        eng, remote, prompt, slots = stored
+        srv.kill()
+        srv.start()
+        wait_for(lambda: remote.connector.connected(), 10.0, "a new connection")
+        assert remote.up, "the restart was noticed by the monitor: not the case tested"
+        stored_again_is_read_from_the_remote(eng, remote, prompt, slots)
 
 
 def test_a_restarted_redis_gets_chunks_stored_again(tmp_path: Path) -> None:
@@ -357,29 +370,22 @@ def test_a_restarted_redis_gets_chunks_stored_again(tmp_path: Path) -> None:
     comes the moment the tier is seen up."""
     redis = RedisProcess(tmp_path).start()
     try:
-        view, _, _ = make_cache("cpu", torch.float16, True, blocks=64)
-        eng = remote_engine(redis.url, view, instance="redis-restart", presence_ttl_s=600.0)
-        remote = eng.storage.tier("remote")
-        forget = remote.presence.clear
+        with stored_prompt(redis.url, "redis-restart", 9_100_000) as stored:
+            eng, remote, prompt, slots = stored
+            forget = remote.presence.clear
 
-        def forget_slowly() -> None:
-            # A loaded machine's thread switch between the tier seen up and its old
-            # keys forgotten, made long enough that a store always falls in it.
-            time.sleep(0.3)
-            forget()
+            def forget_slowly() -> None:
+                # A loaded machine's thread switch between the tier seen up and its old
+                # keys forgotten, made long enough that a store always falls in it.
+                time.sleep(0.3)
+                forget()
 
-        remote.presence.clear = forget_slowly
-        prompt = list(range(9_100_000, 9_100_064))
-        slots = torch.arange(64)
-        try:
-            assert eng.store(prompt, slots) == 64 and remote.flush(5)
+            remote.presence.clear = forget_slowly
             redis.kill()
             wait_for(lambda: not remote.up, 10.0, "the remote seen down")
             redis.start()
             assert remote.wait_ready(10.0)
             stored_again_is_read_from_the_remote(eng, remote, prompt, slots)
-        finally:
-            eng.close()
     finally:
         redis.kill()
 
@@ -392,29 +398,16 @@ def test_a_redis_restart_between_health_checks_is_seen_at_its_first_failed_reque
     old process (else the prompt stored again is dropped as already there)."""
     redis = RedisProcess(tmp_path).start()
     try:
-        view, _, _ = make_cache("cpu", torch.float16, True, blocks=64)
         # Its failed gets must not mark it down (then the stores again would be dropped
         # as "down" until a health check 30 s later): what is tested is what they forget.
-        eng = remote_engine(
-            redis.url,
-            view,
-            instance="redis-quick",
-            health_interval_s=30.0,
-            presence_ttl_s=600.0,
-            failures_to_down=1000,
-        )
-        remote = eng.storage.tier("remote")
-        prompt = list(range(9_200_000, 9_200_064))
-        slots = torch.arange(64)
-        try:
-            assert eng.store(prompt, slots) == 64 and remote.flush(5)
+        quiet = {"health_interval_s": 30.0, "failures_to_down": 1000}
+        with stored_prompt(redis.url, "redis-quick", 9_200_000, **quiet) as stored:
+            eng, remote, prompt, slots = stored
             redis.kill()
             redis.start()
             eng.clear(prompt, tier="l1")
             # The first gets meet the dead connection: misses, and the store noticed.
             assert int(eng.retrieve(prompt, slots).sum()) == 0
             stored_again_is_read_from_the_remote(eng, remote, prompt, slots)
-        finally:
-            eng.close()
     finally:
         redis.kill()
