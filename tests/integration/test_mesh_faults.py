@@ -15,7 +15,7 @@ import contextlib
 import json
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -149,20 +149,26 @@ def remote_round_trip(node: Node, seeds: list[int]) -> dict:
     return node(op="retrieve", seeds=seeds, drop_l1=True)
 
 
-def wait_remote_used_again(mesh: Mesh, base: int) -> float:
-    """Seconds until a new prompt of A's reaches the cache-server and comes back from it."""
-    assert mesh.a is not None
+def until_used_again(base: int, tier: str, round_trip: Callable[[list[int]], dict]) -> float:
+    """Seconds until round_trip(seeds) of two new prompts loads both from tier (fresh
+    seeds from base each try); never a wrong chunk meanwhile."""
     t0 = time.monotonic()
     attempt = 0
     while True:
-        seeds = [base + 10 * attempt + i for i in range(2)]
-        got = remote_round_trip(mesh.a, seeds)
+        got = round_trip([base + 10 * attempt + i for i in range(2)])
         assert got["n_wrong"] == 0, got["wrong"]
-        if got["loaded"] == [64, 64] and got["hits"]["remote"] == 128:
+        if got["loaded"] == [64, 64] and got["hits"][tier] == 128:
             return time.monotonic() - t0
-        assert time.monotonic() - t0 < RECOVER_S, f"the remote tier is not used again: {got}"
+        assert time.monotonic() - t0 < RECOVER_S, f"the {tier} tier is not used again: {got}"
         attempt += 1
         time.sleep(0.1)
+
+
+def wait_remote_used_again(mesh: Mesh, base: int) -> float:
+    """Seconds until a new prompt of A's reaches the cache-server and comes back from it."""
+    a = mesh.a
+    assert a is not None
+    return until_used_again(base, "remote", lambda seeds: remote_round_trip(a, seeds))
 
 
 def test_cacheserver_killed_and_restarted_under_traffic(mesh: Mesh) -> None:
@@ -216,21 +222,16 @@ def test_cacheserver_frozen_past_the_deadline(mesh: Mesh) -> None:
 def wait_p2p_used_again(mesh: Mesh, base: int) -> float:
     """Seconds until a prompt A stores now is read by B from A's L1 (the controller
     names A again)."""
-    assert mesh.a is not None and mesh.b is not None
-    t0 = time.monotonic()
-    attempt = 0
-    while True:
-        seeds = [base + 10 * attempt + i for i in range(2)]
-        stored = mesh.a(op="store", seeds=seeds, flush=True)
+    a, b = mesh.a, mesh.b
+    assert a is not None and b is not None
+
+    def round_trip(seeds: list[int]) -> dict:
+        stored = a(op="store", seeds=seeds, flush=True)
         assert stored["stored"] == [64, 64], stored
         time.sleep(0.1)  # past A's event flush period
-        got = mesh.b(op="retrieve", seeds=seeds)
-        assert got["n_wrong"] == 0, got["wrong"]
-        if got["loaded"] == [64, 64] and got["hits"]["p2p"] == 128:
-            return time.monotonic() - t0
-        assert time.monotonic() - t0 < RECOVER_S, f"P2P is not used again: {got}"
-        attempt += 1
-        time.sleep(0.1)
+        return b(op="retrieve", seeds=seeds)
+
+    return until_used_again(base, "p2p", round_trip)
 
 
 @pytest.mark.parametrize("fault", ["kill", "freeze"])
