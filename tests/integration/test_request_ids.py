@@ -96,9 +96,13 @@ def test_a_pinned_lookup_carries_its_id_in_both_processes_logs(mesh) -> None:
 
     assert asyncio.run(lookup()) == 32
 
-    worker_lines = wait_for(
-        lambda: lines_with(worker.log, "lookup_id", lookup_id), 10, "the worker's lines"
-    )
+    # The lookup-server queues a release to the worker without waiting for its answer,
+    # so the worker's release line may come after the client's reply.
+    def worker_lines_once_released() -> list[dict] | None:
+        lines = lines_with(worker.log, "lookup_id", lookup_id)
+        return lines if any(r["event"] == "lookup released" for r in lines) else None
+
+    worker_lines = wait_for(worker_lines_once_released, 10, "the worker's release line")
     service_lines = wait_for(
         lambda: lines_with(service.log, "lookup_id", lookup_id), 10, "the lookup-server's lines"
     )
@@ -108,7 +112,8 @@ def test_a_pinned_lookup_carries_its_id_in_both_processes_logs(mesh) -> None:
     answered = [r for r in service_lines if r["event"] == "lookup answered"]
     assert answered and answered[0]["hit_tokens"] == 32 and answered[0]["per_rank"] == [32]
     assert answered[0]["service"] == "lookup"
-    assert any(r["event"] == "lookup released" for r in worker_lines)
+    released = [r for r in worker_lines if r["event"] == "lookup released"]
+    assert released[0]["held_pins"] is True
 
 
 def post(url: str, body: dict, headers: dict[str, str]) -> tuple[int, dict[str, str]]:
@@ -150,9 +155,13 @@ def test_the_bridge_takes_or_makes_a_request_id_and_passes_it_on(bridge) -> None
     assert headers["X-Request-Id"] == "client-7f3a"
     assert prefiller.requests[-1].headers["X-Request-Id"] == "client-7f3a"
     assert decoder.requests[-1].headers["X-Request-Id"] == "client-7f3a"
-    lines = wait_for(
-        lambda: lines_with(proc.log, "request_id", "client-7f3a") or None, 10, "bridge lines"
-    )
+
+    # The bridge may log its answer after the client has it.
+    def lines_once_answered() -> list[dict] | None:
+        lines = lines_with(proc.log, "request_id", "client-7f3a")
+        return lines if any(r["event"] == "request answered" for r in lines) else None
+
+    lines = wait_for(lines_once_answered, 10, "the bridge's 'request answered' line")
     events = {r["event"] for r in lines}
     assert "prefill failed, the decoder prefills itself" in events
     assert "request answered" in events
