@@ -141,6 +141,11 @@ class IndexFollower:
         """The index when it may answer now, else None (ask the controller)."""
         return self.index if self.in_sync() else None
 
+    def last_index(self) -> tuple[ChunkIndex | None, float]:
+        """The index in use, in sync or not, and the monotonic time it was last
+        confirmed (-inf: never)."""
+        return self.index, self._confirmed
+
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)

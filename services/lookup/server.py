@@ -17,8 +17,9 @@ The registry is read from the server's own copy (index.py, kept by follower.py f
 the controller's pushed changes) while that copy is in sync, and from the controller
 (`PrefixCounts`, `ListWorkers`) otherwise: see follower.py for the staleness rule.
 Replies say which (`source`), and `lookup_controller_fallbacks_total` counts the
-requests that had to ask. With `metrics_port`, `/metrics` and `/health` are served
-(common/observability/http.py).
+requests that had to ask. While the controller does not answer, lookups and releases
+go on with the last worker list known (the workers' counts are the answer). With
+`metrics_port`, `/metrics` and `/health` are served (common/observability/http.py).
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ MAX_INFLIGHT_BYTES = 256 << 20
 RCV_HWM = 32
 # Prompts longer than this are hashed on a thread: a 4M-token prompt costs ~50 ms.
 HASH_ON_LOOP_TOKENS = 16_384
+# While the controller does not answer, it is asked again at most this often (by one
+# request; the others are answered without it at once).
+CONTROLLER_RETRY_S = 0.5
 OPS = ("hello", "lookup", "release", "best", "invalid")
 # What an instance's worker list is read for; WorkerInfo (controller) or IndexWorker.
 Worker = cproto.WorkerInfo | cproto.IndexWorker
@@ -108,9 +112,17 @@ class LookupService:
         from_index = m.counter(
             "lookup_index_answers_total", "Registry reads answered from the index, by op", ["op"]
         )
+        last_known = m.counter(
+            "lookup_last_known_workers_total",
+            "Worker lists taken from the last one known because the controller did not "
+            "answer (lookups and releases still ask the workers), by op",
+            ["op"],
+        )
         self._fallbacks = {op: fallbacks.labels(op=op) for op in OPS}
         self._from_index = {op: from_index.labels(op=op) for op in OPS}
-        for c in (*self._fallbacks.values(), *self._from_index.values()):
+        self._last_known = {op: last_known.labels(op=op) for op in ("lookup", "release")}
+        counters = (*self._fallbacks.values(), *self._from_index.values())
+        for c in (*counters, *self._last_known.values()):
             c.inc(0)
         self.started = time.monotonic()
         self.http: ProbeServer | None = None
@@ -144,6 +156,10 @@ class LookupService:
         # last one was started.
         self._listing: asyncio.Task | None = None
         self._listed_at = float("-inf")
+        # When an ask found the controller not answering (None: the last one got an
+        # answer), and when it was last asked again since.
+        self._controller_failed_at: float | None = None
+        self._probed_at = float("-inf")
         ns = KeyNamespace(model="-", kv_layout="-", dtype="-", world_size=1, rank=0)
         self._tokendb = ChunkedTokenDatabase(
             ns, chunk_size=config.chunk_size, hash_algorithm=config.hash_algorithm
@@ -295,7 +311,33 @@ class LookupService:
             log.debug("reply not sent", error=str(exc))
 
     # -- the controller -----------------------------------------------------------------
+    def _controller_down(self) -> bool:
+        return self._controller_failed_at is not None
+
+    def _may_ask_controller(self, now: float) -> bool:
+        """Up, or down and no ask for CONTROLLER_RETRY_S: one request probes it then,
+        the others do not each wait out controller_timeout_s meanwhile."""
+        failed = self._controller_failed_at
+        return failed is None or now - max(failed, self._probed_at) >= CONTROLLER_RETRY_S
+
     async def _ask_controller(self, build: Callable[[int], Any], expect: type) -> Any:
+        now = time.monotonic()
+        if not self._may_ask_controller(now):
+            raise Unavailable("controller did not answer just now")
+        if self._controller_down():
+            self._probed_at = now
+        try:
+            return await self._ask_controller_once(build, expect)
+        except Unavailable:
+            self._controller_failed_at = time.monotonic()
+            raise
+        except Refused:
+            self._controller_failed_at = None  # it answered
+            raise
+        else:
+            self._controller_failed_at = None
+
+    async def _ask_controller_once(self, build: Callable[[int], Any], expect: type) -> Any:
         conn = self._controller
         for _ in range(2):
             try:
@@ -324,14 +366,40 @@ class LookupService:
         # An instance not seen yet may have just registered: re-read at once (but not
         # more than every 50 ms, so unknown ids cannot hammer the controller).
         unknown = instance_id not in self._workers
-        if stale or (unknown and (self._listing is not None or now - self._listed_at > 0.05)):
-            self._fallbacks[op].inc()
+        if not (stale or (unknown and (self._listing is not None or now - self._listed_at > 0.05))):
+            return self._workers.get(instance_id, [])
+        self._fallbacks[op].inc()
+        if self._listing is None and self._may_ask_controller(now):
+            # One read for every request that finds the list stale meanwhile.
+            self._listed_at = now
+            self._listing = asyncio.create_task(self._list_workers())
+            self._listing.add_done_callback(self._listed)
+        # The workers answer lookups and releases themselves, so while the controller
+        # does not answer the last list known serves: a worker gone since times out as
+        # a rank holding nothing, one joined since is not asked (a shorter hit). Never
+        # a count higher than what every rank holds.
+        known = self._last_known_workers(instance_id) if self._controller_down() else []
+        if not known:
             if self._listing is None:
-                # One read for every request that finds the list stale meanwhile.
-                self._listed_at = now
-                self._listing = asyncio.create_task(self._list_workers())
-                self._listing.add_done_callback(self._listed)
-            await asyncio.shield(self._listing)
+                raise Unavailable("controller did not answer just now")
+            try:
+                await asyncio.shield(self._listing)
+                return self._workers.get(instance_id, [])
+            except Unavailable:
+                known = self._last_known_workers(instance_id)
+                if not known:
+                    raise
+        self._last_known[op].inc()
+        return known
+
+    def _last_known_workers(self, instance_id: str) -> list[Worker]:
+        """The instance's workers in the newer of the last controller list and the
+        index (in sync or not)."""
+        index, confirmed = (
+            self.follower.last_index() if self.follower is not None else (None, float("-inf"))
+        )
+        if index is not None and confirmed >= self._workers_at:
+            return list(index.instance_workers(instance_id))
         return self._workers.get(instance_id, [])
 
     async def _list_workers(self) -> None:

@@ -24,9 +24,9 @@ import pytest
 import zmq
 from kvtest.controller import ControllerProcess, build_engine, store, tokens
 from kvtest.fake_controller import FakeController
+from kvtest.prom import sample_sum
 from kvtest.service_process import KvmeshService, free_port
 from kvtest.waiting import wait_for
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.common.protocol import controller as cproto
 from kvmesh.common.protocol import lookup as lwire
@@ -68,16 +68,7 @@ class LookupProcess(KvmeshService):
         return json.loads(self.get("/health"))["index"]
 
     def metric(self, name: str, **labels: str) -> float:
-        return metric(self.get("/metrics").decode(), name, labels)
-
-
-def metric(text: str, name: str, labels: dict[str, str]) -> float:
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
+        return sample_sum(self.get("/metrics").decode(), name, **labels)
 
 
 def ask(url: str, msg: Any, timeout_s: float = 10.0) -> Any:
@@ -109,7 +100,7 @@ def hits(reply: Any) -> list[tuple[str, int]]:
 def controller_prefix_counts(controller: ControllerProcess) -> float:
     with urllib.request.urlopen(controller.http + "/metrics", timeout=5) as r:
         text = r.read().decode()
-    return metric(text, "kvmesh_controller_requests_total", {"op": "prefix_counts"})
+    return sample_sum(text, "kvmesh_controller_requests_total", op="prefix_counts")
 
 
 @pytest.fixture(scope="module")

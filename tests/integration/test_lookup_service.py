@@ -330,12 +330,32 @@ def test_controller_down_is_an_unavailable_reply(tmp_path: Path) -> None:
 
         err, took = lookup_service(service.url, down)
         assert err.code == proto.ErrorCode.UNAVAILABLE and took < 5.0
+
+        async def burst(c: LookupServiceClient) -> list[tuple[int, float]]:
+            async def one() -> tuple[int, float]:
+                t0 = time.monotonic()
+                with pytest.raises(LookupServiceError) as exc:
+                    await c.best_instances(PROMPT)
+                return exc.value.code, time.monotonic() - t0
+
+            return await asyncio.gather(*(one() for _ in range(8)))
+
+        # A controller that did not answer is asked again by one request at a time, at
+        # most every 0.5 s: the others do not each wait out the 1 s deadline.
+        got = lookup_service(service.url, burst)
+        assert {code for code, _ in got} == {proto.ErrorCode.UNAVAILABLE}
+        assert sorted(t for _, t in got)[-2] < 0.5, got
         controller.start()  # same port: the service says hello again and answers
-        wait_for(
-            lambda: lookup_service(service.url, lambda c: c.best_instances(PROMPT)) == [],
-            20,
-            "answers after the controller restarted",
-        )
+
+        def answered() -> bool:
+            try:
+                return lookup_service(service.url, lambda c: c.best_instances(PROMPT)) == []
+            except LookupServiceError as exc:
+                # Until the service asks the controller again (every 0.5 s at most).
+                assert exc.code == proto.ErrorCode.UNAVAILABLE, exc
+                return False
+
+        wait_for(answered, 20, "answers after the controller restarted")
         assert service.alive()
     finally:
         assert service.stop() == 0, service.log.read_text()[-2000:]

@@ -258,3 +258,31 @@ def test_controller_fault_under_lookups(lmesh: LookupMesh, fault: str) -> None:
     while not (index := lmesh.lookup.health()["index"])["in_sync"]:
         assert time.monotonic() - t0 < RECOVER_S, f"index not in sync again: {index}"
         time.sleep(0.1)
+
+
+def test_lookups_go_on_while_the_controller_is_down(lmesh: LookupMesh) -> None:
+    """The controller is killed and stays down past the index's staleness and the
+    controller deadline: lookups keep asking the workers, from the last worker list
+    known, so each is answered within the deadline and right. Only the controller's
+    own restart (an empty registry until the workers register again) may fail some."""
+    load = lmesh.start_load()
+    time.sleep(0.5)
+    wait_right(load, time.monotonic() - 0.5)
+    before = lmesh.lookup.metric("kvmesh_lookup_last_known_workers_total", op="lookup")
+    lmesh.controller.kill()
+    killed = time.monotonic()
+    time.sleep(3.0)
+    index = lmesh.lookup.health()["index"]
+    down = load.since(killed)
+    lmesh.controller.start(30)
+    wait_right(load, time.monotonic())
+    answers = load.stop()
+    lmesh.load = None
+    assert not index["in_sync"], index  # the index no longer answers: the case tested
+    assert len(down) >= 20, len(down)
+    wrong = [(a.instance, a.seed, a.hit, a.error[:80]) for a in down if a.hit != truth(a)]
+    assert not wrong, wrong[:5]
+    used = lmesh.lookup.metric("kvmesh_lookup_last_known_workers_total", op="lookup") - before
+    assert used > 0
+    check(answers, errors_ok=True)
+    check_pins_released(lmesh)

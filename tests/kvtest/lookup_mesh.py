@@ -24,6 +24,7 @@ from kvmesh.common.transport.lookup_service_client import (
 )
 from kvtest.mesh_node import CHUNK
 from kvtest.mesh_node import prompt_tokens as prompt_tokens
+from kvtest.prom import sample_sum
 from kvtest.service_process import KvmeshService, KvtestProcess, free_port
 
 
@@ -46,6 +47,12 @@ class LookupServer(KvmeshService):
         url = f"http://127.0.0.1:{self.metrics_port}/health"
         with urllib.request.urlopen(url, timeout=2.0) as r:
             return json.loads(r.read())
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of name's samples with these labels on its /metrics."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=2.0) as r:
+            return sample_sum(r.read().decode(), name, **labels)
 
     @property
     def url(self) -> str:
