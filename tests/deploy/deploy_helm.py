@@ -12,6 +12,7 @@ chart is checked for real or not at all.
 from __future__ import annotations
 
 import os
+import posixpath
 import shutil
 import subprocess
 import sys
@@ -22,8 +23,11 @@ from typing import Any
 import pytest
 import yaml
 
+from kvmesh.common.config import KvmeshConfig
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "k8s" / "kvmesh"
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
 CI_VALUES = ROOT / "k8s" / "ci"
 RELEASE = "kvmesh"
 NAMESPACE = "kvmesh-test"
@@ -159,3 +163,53 @@ def expand(value: str, env: Mapping[str, str]) -> str:
     for name, val in env.items():
         value = value.replace(f"$({name})", val)
     return value
+
+
+# --- what a container writes (read-only root filesystems) --------------------------------
+
+
+def image_env(target: str) -> dict[str, str]:
+    """docker/Dockerfile's ENV for a target ("services", "worker"): its base stage's,
+    then its own."""
+    stages: dict[str, dict[str, str]] = {}
+    current: dict[str, str] = {}
+    for line in DOCKERFILE.read_text().replace("\\\n", " ").splitlines():
+        words = line.split()
+        if line.startswith("FROM "):
+            current = dict(stages.get(words[1], {}))
+            stages[words[-1]] = current
+        elif line.startswith("ENV "):
+            for word in words[1:]:
+                key, _, value = word.partition("=")
+                current[key] = value
+    return stages[target]
+
+
+def written_paths(
+    component: str, vllm: bool, cfg: KvmeshConfig, env: Mapping[str, str]
+) -> dict[str, str]:
+    """The directories a container's process writes at run time (path -> why): the
+    component's kvmesh.yaml paths (cfg, with the container's KVMESH_* applied), and in a
+    vLLM container what vLLM, torch and triton write given its environment (the image's
+    and the container's own, env), as measured with `docker diff` on a running worker."""
+    # Python's tempfile (any library); vLLM's torch.distributed file:// rendezvous.
+    out = {"/tmp": "tempfile"}
+    if component == "controller" and cfg.controller.snapshot_path:
+        out[posixpath.dirname(cfg.controller.snapshot_path)] = "controller.snapshot_path"
+    if component == "cacheserver" and cfg.cacheserver.spill_path:
+        out[cfg.cacheserver.spill_path] = "cacheserver.spill_path"
+    if vllm:
+        if cfg.engine.disk.enabled:
+            out[cfg.engine.disk.path] = "engine.disk.path"
+        if cfg.engine.lookup_endpoint.startswith("ipc://"):
+            out[posixpath.dirname(cfg.engine.lookup_endpoint[6:])] = "engine.lookup_endpoint"
+        home = env["HOME"]
+        for name, default in (
+            ("VLLM_CACHE_ROOT", f"{home}/.cache/vllm"),
+            ("VLLM_RPC_BASE_PATH", "/tmp"),
+            ("XDG_CACHE_HOME", f"{home}/.cache"),  # torch, Hugging Face
+            ("TRITON_CACHE_DIR", f"{home}/.triton/cache"),
+            ("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor_kvmesh"),
+        ):
+            out[env.get(name, default)] = name
+    return out

@@ -153,12 +153,18 @@ for path in sys.argv[1:]:
         print("missing")
 """
 # service -> the directories it writes: its volume (the image's /var/lib/kvmesh, whose
-# ownership a new named volume copies), and what the process made there at start.
+# ownership a new named volume copies), what the process made there at start (the disk
+# tier, the spill, vLLM's VLLM_CACHE_ROOT), and the worker's HOME (a tmpfs of kvmesh's).
 WRITES = {
     "controller": ["/var/lib/kvmesh"],
     "lookup": [],
     "cacheserver": ["/var/lib/kvmesh", "/var/lib/kvmesh/spill"],
-    "worker": ["/var/lib/kvmesh", "/var/lib/kvmesh/disk", "/home/kvmesh"],
+    "worker": [
+        "/var/lib/kvmesh",
+        "/var/lib/kvmesh/disk",
+        "/var/lib/kvmesh/vllm-cache",
+        "/home/kvmesh",
+    ],
     "bridge": [],
 }
 
@@ -190,6 +196,53 @@ def test_every_container_runs_as_kvmesh_and_writes_its_volume(mesh: dict[str, st
                      "{{json .HostConfig.CapDrop}} {{json .HostConfig.SecurityOpt}}", cid],
                     mesh, 60).split()  # fmt: skip
         assert [json.loads(h) for h in host] == [["ALL"], ["no-new-privileges:true"]], service
+
+
+# -- read-only root filesystem --------------------------------------------------------------
+# For each directory given: whether a new file could be made there ("written", or the
+# errno's name), and the mount point holding it ("/": the container's root filesystem).
+WRITE_PROBE = """
+import errno, os, sys
+points = [line.split()[4] for line in open("/proc/self/mountinfo")]
+for path in sys.argv[1:]:
+    name = os.path.join(path, f".kvmesh-write-probe-{os.getpid()}")
+    try:
+        os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.unlink(name)
+        result = "written"
+    except OSError as exc:
+        result = errno.errorcode[exc.errno]
+    mount = max((p for p in points if path == p or path.startswith(p.rstrip("/") + "/")), key=len)
+    print(path, result, mount)
+"""
+# Outside every mount: / (root's: EACCES, not EROFS, on a writable root filesystem) and
+# /var/cache/kvmesh (kvmesh's in both images, the chart's disk tier mount point, nothing
+# mounted on it in compose: writable unless the root filesystem is read-only).
+UNMOUNTED = ["/", "/var/cache/kvmesh"]
+
+
+def test_root_filesystem_is_read_only(mesh: dict[str, str]) -> None:
+    """compose.yaml's read_only: a write outside the mounts fails with EROFS in every
+    container, and every directory a service writes (WRITES, /tmp) is a mount of its own
+    that takes the write, while the mesh is up and serving (test_every_service_is_healthy)."""
+    for service, paths in WRITES.items():
+        cid = _run([*COMPOSE, "ps", "-q", service], mesh, 60).strip()
+        ro = _run(["docker", "inspect", "--format", "{{.HostConfig.ReadonlyRootfs}}", cid],
+                  mesh, 60).strip()  # fmt: skip
+        assert ro == "true", service
+        writable = [*paths, "/tmp"]
+        out = _run([*COMPOSE, "exec", "-T", service, "python", "-c", WRITE_PROBE,
+                    *UNMOUNTED, *writable], mesh, 60).splitlines()  # fmt: skip
+        got = {}
+        for line in out:
+            path, result, mount = line.rsplit(" ", 2)
+            got[path] = (result, mount)
+        for path in UNMOUNTED:
+            assert got[path][0] == "EROFS", (service, path, got[path])
+        for path in writable:
+            result, mount = got[path]
+            assert result == "written", (service, path, result)
+            assert mount != "/", (service, path, "on the root filesystem")
 
 
 def test_repeat_of_a_long_prompt_is_served_from_kvmesh(mesh: dict[str, str]) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from deploy_helm import image_env, written_paths
 
 from kvmesh.common.config import load_config
 from kvmesh.common.protocol.lookup import engine_endpoint
@@ -126,3 +127,38 @@ def test_each_worker_announces_endpoints_other_containers_reach() -> None:
     # The bridge pushes the prompt's KV to the worker's P2P port, by name.
     cfg = load_config(ROOT / "docker/compose/kvmesh.yaml", env={})
     assert cfg.bridge.decoders[0].kv_endpoints == [f"tcp://worker:{p2p_ports['worker']}"]
+
+
+VLLM_SERVICES = {"worker", "prefiller"}
+
+
+def _under(path: str, mount: str) -> bool:
+    return path == mount or path.startswith(mount.rstrip("/") + "/")
+
+
+def test_every_container_is_read_only_and_writes_only_its_mounts() -> None:
+    """read_only on every service, the pd profile's included, and each directory its
+    process writes (deploy_helm.written_paths: its kvmesh.yaml, the image's environment
+    and its own) on one of its volumes or tmpfs mounts, the innermost of which is
+    writable. tests/deploy/test_compose.py checks the same with the mesh running."""
+    services = compose_config()
+    assert set(services) == SERVICES
+    for name, svc in services.items():
+        assert svc.get("read_only") is True, name
+        tmpfs = {t.split(":", 1)[0]: t for t in svc.get("tmpfs", [])}
+        assert "/tmp" in tmpfs, name
+        mounts = {v["target"]: bool(v.get("read_only")) for v in svc.get("volumes", [])}
+        mounts.update(dict.fromkeys(tmpfs, False))
+        vllm = name in VLLM_SERVICES
+        env = {**image_env("worker" if vllm else "services"),
+               **{k: str(v) for k, v in (svc.get("environment") or {}).items()}}  # fmt: skip
+        cfg = load_config(ROOT / "docker/compose/kvmesh.yaml", env=env)
+        component = svc["command"][1] if not vllm else name
+        for path, why in written_paths(component, vllm, cfg, env).items():
+            holding = [m for m in mounts if _under(path, m)]
+            assert holding, f"{name}: {path} ({why}) is on the read-only root filesystem"
+            assert not mounts[max(holding, key=len)], f"{name}: {path} ({why}) is read-only"
+    # The vLLM containers' HOME: a tmpfs of the images' user (docker/Dockerfile).
+    for name in VLLM_SERVICES:
+        (home,) = [t for t in services[name]["tmpfs"] if t.startswith("/home/kvmesh:")]
+        assert "uid=10001" in home and "gid=10001" in home, home

@@ -9,6 +9,7 @@
   Services and the PodDisruptionBudget selecting the right pods, volumes where the
   config puts the snapshot, spill and disk tier, the ConfigMap's kvmesh.yaml passing
   kvmesh's own validation (with each pod's KVMESH_* variables applied), env, resources;
+- read-only root filesystems, with every directory a process writes on a volume;
 - values.schema.json rejecting wrong types and unknown keys, naming them.
 
 helm and kubernetes-validate come from scripts/install_deploy_tools.sh; without them
@@ -39,6 +40,7 @@ from deploy_helm import (
     expand,
     full_name,
     helm_binary,
+    image_env,
     kubernetes_validate_binary,
     matches,
     of_kind,
@@ -52,6 +54,7 @@ from deploy_helm import (
     template_args,
     values_file,
     workloads,
+    written_paths,
 )
 
 from kvmesh.common.config import ConfigError, load_config
@@ -764,6 +767,9 @@ BAD_VALUES = [
     ({"remote": {"redis": {"hosts": ["redis:6379/0"]}}}, "remote.redis.hosts.0"),
     ({"remote": {"redis": {"hosts": ["[::1:6379"]}}}, "remote.redis.hosts.0"),
     ({"cacheserver": {"pdb": {"minAvailable": -1}}}, "cacheserver.pdb.minAvailable"),
+    ({"tmp": {"medium": "HugePages"}}, "tmp.medium"),
+    ({"tmp": {"sizeLimit": "lots"}}, "tmp.sizeLimit"),
+    ({"worker": {"home": {"enable": False}}}, "enable"),
 ]  # fmt: skip
 
 
@@ -993,8 +999,85 @@ def test_security_contexts_can_be_changed(helm: str, tmp_path: Path) -> None:
         }
         assert container(w)["securityContext"] == {
             "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
             "capabilities": {"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]},
         }
+
+
+# --- read-only root filesystem: every path a process writes is a volume ---------------------
+
+
+def _writable_mount(c: dict, path: str) -> str | None:
+    """The mountPath of the writable volume holding path, None when it is on the root
+    filesystem (or under a read-only mount)."""
+
+    def holds(mount: str) -> bool:
+        return path == mount or path.startswith(mount.rstrip("/") + "/")
+
+    mounts = [m for m in c["volumeMounts"] if holds(m["mountPath"])]
+    if not mounts:
+        return None
+    inner = max(mounts, key=lambda m: len(m["mountPath"]))
+    return None if inner.get("readOnly") else inner["mountPath"]
+
+
+def _written_paths(c: dict, docs: list, tmp_path: Path) -> dict[str, str]:
+    """What the container's process writes (deploy_helm.written_paths), from kvmesh.yaml
+    with the pod's KVMESH_* variables, the image's environment and the pod's own."""
+    vllm = c["name"] == "vllm"
+    env = {**image_env("worker" if vllm else "services"), **_pod_env(c, {"redis-password": "x"})}
+    return written_paths(c["name"], vllm, _load(tmp_path, docs, env=env), env)
+
+
+@pytest.mark.parametrize("value_set", SETS)
+def test_read_only_root_filesystem_and_every_written_path_is_a_volume(
+    rendered: dict, value_set: str, tmp_path: Path
+) -> None:
+    docs = rendered[value_set]
+    for w in workloads(docs):
+        for c in pod_spec(w)["containers"]:
+            name = (w["metadata"]["name"], c["name"])
+            assert c["securityContext"]["readOnlyRootFilesystem"] is True, name
+            volumes = {v["name"]: v for v in pod_spec(w)["volumes"]}
+            claims = _claim_templates(w)
+            for path, why in _written_paths(c, docs, tmp_path).items():
+                mount = _writable_mount(c, path)
+                assert mount is not None, f"{name}: {path} ({why}) is on no writable volume"
+                (volume,) = [m["name"] for m in c["volumeMounts"] if m["mountPath"] == mount]
+                assert volume in volumes or volume in claims, (name, volume)
+            (tmp,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/tmp"]
+            assert volumes[tmp["name"]]["emptyDir"] == {"sizeLimit": "1Gi"}, name
+            if c["name"] == "vllm":
+                (home,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/home/kvmesh"]
+                assert volumes[home["name"]]["emptyDir"] == {}, name
+
+
+def test_read_only_root_filesystem_can_be_turned_off(helm: str, tmp_path: Path) -> None:
+    """readOnlyRootFilesystem false, tmp and worker.home off: the image's own /tmp and
+    HOME; tmp on a tmpfs and a sized HOME when asked."""
+    values = {"securityContext": {"readOnlyRootFilesystem": False}, "tmp": {"enabled": False},
+              "worker": {"home": {"enabled": False}}}  # fmt: skip
+    docs = parse(render_text(helm, ["-f", str(values_file(tmp_path, values))]))
+    assert workloads(docs)
+    for w in workloads(docs):
+        c = container(w)
+        assert c["securityContext"]["readOnlyRootFilesystem"] is False
+        assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert not {"tmp", "home"} & {v["name"] for v in pod_spec(w)["volumes"]}
+        assert not {"/tmp", "/home/kvmesh"} & {m["mountPath"] for m in c["volumeMounts"]}
+
+    values = {
+        "tmp": {"medium": "Memory", "sizeLimit": ""},
+        "worker": {"home": {"sizeLimit": "20Gi"}},
+    }
+    docs = parse(render_text(helm, ["-f", str(values_file(tmp_path, values))]))
+    for w in workloads(docs):
+        volumes = {v["name"]: v for v in pod_spec(w)["volumes"]}
+        assert volumes["tmp"]["emptyDir"] == {"medium": "Memory"}
+        if container(w)["name"] == "vllm":
+            assert volumes["home"]["emptyDir"] == {"sizeLimit": "20Gi"}
+        else:
+            assert "home" not in volumes
 
 
 # --- PodDisruptionBudget: minAvailable 0 is a count -----------------------------------------

@@ -328,8 +328,10 @@ def test_completion_through_the_bridge(played: dict[str, Any]) -> None:
 
 def test_pods_run_as_the_image_user_without_capabilities(played: dict[str, Any]) -> None:
     """The chart's security contexts reach the containers podman runs: uid/gid 10001
-    (not root), no capabilities, no-new-privileges, seccomp filtering; and each
-    volume the chart mounts for writing (snapshot, spill, disk tier) is writable."""
+    (not root), no capabilities, no-new-privileges, seccomp filtering, a read-only root
+    filesystem (a write to / fails with EROFS, not EACCES); and each volume the chart
+    mounts for writing (snapshot, spill, disk tier, /tmp, the vLLM HOME) is writable,
+    with every component up (test_every_component_healthy)."""
     test_every_component_healthy(played)
     docs, env = played["docs"], played["env"]
     for d in docs:
@@ -345,19 +347,24 @@ def test_pods_run_as_the_image_user_without_capabilities(played: dict[str, Any])
         assert info["Config"]["User"] == f"{uid}:{gid}", name
         assert not info["EffectiveCaps"] and not info["BoundingCaps"], name
         assert "no-new-privileges" in info["HostConfig"]["SecurityOpt"], name
+        assert sc["readOnlyRootFilesystem"] is True
+        assert info["HostConfig"]["ReadonlyRootfs"] is True, name
         writable = [m["mountPath"] for m in c["volumeMounts"]
-                    if m["name"] in ("snapshot", "spill", "disk")]  # fmt: skip
+                    if m["name"] in ("snapshot", "spill", "disk", "tmp", "home")]  # fmt: skip
+        assert "/tmp" in writable, name
         script = (
             'grep -E "^(Uid|Gid|CapEff|NoNewPrivs|Seccomp):" /proc/1/status | tr -s "\\t" " "; '
+            'touch /.kvmesh-probe 2>&1 | grep -q "Read-only file" && echo "read-only /"; '
             'for p in "$@"; do test -w "$p" && echo "writable $p"; done'
         )
         out = _must(_run(["podman", "exec", name, "sh", "-c", script, "sh", *writable], env),
                     f"exec {name}").splitlines()  # fmt: skip
-        assert out[:5] == [
+        assert out[:6] == [
             f"Uid: {uid} {uid} {uid} {uid}",
             f"Gid: {gid} {gid} {gid} {gid}",
             "CapEff: 0000000000000000",
             "NoNewPrivs: 1",
             "Seccomp: 2",
+            "read-only /",
         ], (name, out)
-        assert out[5:] == [f"writable {p}" for p in writable], (name, out)
+        assert out[6:] == [f"writable {p}" for p in writable], (name, out)

@@ -178,6 +178,8 @@ bridge.decoders: pd.decoder.replicas
 {{- /* Not under /etc/kvmesh: that is the ConfigMap's (read-only) volume. */ -}}
 {{- define "kvmesh.keysDir" -}}/etc/kvmesh-keys{{- end -}}
 {{- define "kvmesh.tokenDir" -}}/etc/kvmesh-token{{- end -}}
+{{- /* The images' HOME (docker/Dockerfile): XDG_CACHE_HOME is under it. */ -}}
+{{- define "kvmesh.homeDir" -}}/home/kvmesh{{- end -}}
 
 {{/*
 The security: section for the mounted Secrets: CURVE keys from security.existingSecret
@@ -300,6 +302,44 @@ fsGroup (set podSecurityContext.fsGroup then).
 - name: http-token
   mountPath: {{ include "kvmesh.tokenDir" . }}
   readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/*
+The writable directories of a read-only root filesystem (securityContext's
+readOnlyRootFilesystem), as emptyDirs: /tmp in every container (tmp), and HOME in the
+vLLM containers (worker.home), where vLLM, torch, triton and Hugging Face cache.
+The snapshot, spill, disk tier and /dev/shm volumes are the components' own.
+  include "kvmesh.scratchVolumes" (list $ false)    true: a vLLM pod
+*/}}
+{{- define "kvmesh.emptyDir" -}}
+{{- $spec := dict -}}
+{{- with .medium }}{{ $_ := set $spec "medium" . }}{{ end -}}
+{{- with .sizeLimit }}{{ $_ := set $spec "sizeLimit" . }}{{ end -}}
+{{- toJson $spec -}}
+{{- end -}}
+
+{{- define "kvmesh.scratchVolumes" -}}
+{{- $root := index . 0 -}}
+{{- if $root.Values.tmp.enabled }}
+- name: tmp
+  emptyDir: {{ include "kvmesh.emptyDir" $root.Values.tmp }}
+{{- end }}
+{{- if and (index . 1) $root.Values.worker.home.enabled }}
+- name: home
+  emptyDir: {{ include "kvmesh.emptyDir" $root.Values.worker.home }}
+{{- end }}
+{{- end -}}
+
+{{- define "kvmesh.scratchMounts" -}}
+{{- $root := index . 0 -}}
+{{- if $root.Values.tmp.enabled }}
+- name: tmp
+  mountPath: /tmp
+{{- end }}
+{{- if and (index . 1) $root.Values.worker.home.enabled }}
+- name: home
+  mountPath: {{ include "kvmesh.homeDir" $root }}
 {{- end }}
 {{- end -}}
 
