@@ -114,7 +114,8 @@ class NixlChannel:
 
     async def _peer_agent(self, endpoint: str, timeout_s: float) -> str:
         conn = self._conns.get(endpoint)
-        if conn.hello is not None:  # same connection: same peer process
+        # Same connection, same peer process; unless a failed WRITE forgot its agent.
+        if conn.hello is not None and endpoint in self._agents:
             return self._agents[endpoint]
         msg = proto.Hello(conn.next_rid(), proto.PROTOCOL_VERSION, self.agent_name)
         hello = check_hello((await conn.request(msg, timeout_s))[0])
@@ -174,12 +175,28 @@ class NixlChannel:
         timeout_s: float,
         on_written: Callable[[int], None],
     ) -> None:
-        deadline = time.monotonic() + timeout_s
         try:
-            peer = await self._peer_agent(endpoint, timeout_s)
+            await self._write_groups(endpoint, alloc_id, layer, groups, timeout_s, on_written)
         except PeerError as exc:
-            self._forget(endpoint, exc)
+            # A decoder restarted behind the same endpoint (the connection reconnects by
+            # itself) has another agent: every WRITE to the one hello'd before would
+            # fail (NIXL_ERR_NOT_FOUND). The next push hellos again; the connection
+            # stays, with the other pushes waiting on it.
+            if exc.code is None:
+                self._agents.pop(endpoint, None)
             raise
+
+    async def _write_groups(
+        self,
+        endpoint: str,
+        alloc_id: int,
+        layer: int,
+        groups: Sequence[Sequence[Piece]],
+        timeout_s: float,
+        on_written: Callable[[int], None],
+    ) -> None:
+        deadline = time.monotonic() + timeout_s
+        peer = await self._peer_agent(endpoint, timeout_s)
         if not peer:
             await self._zmq.write_groups(
                 endpoint, alloc_id, layer, groups, deadline - time.monotonic(), on_written

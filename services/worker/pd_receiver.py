@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import math
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -99,7 +99,6 @@ class PdReceiver:
         # Apart from lookups' pins: a decode may wait in vLLM's queue far longer than a
         # lookup waits for its retrieve.
         self.pins = LookupPins(engine.storage.unpin, cfg.hold_s)
-        self._ids = itertools.count(1)
         self._pages = 0
         m = engine.stats.metrics
         allocs = m.counter("pd_receive_allocs_total", "PD allocation requests", ["outcome"])
@@ -203,7 +202,7 @@ class PdReceiver:
         except BaseException:  # a refusal, or a failure of the pool: nothing kept
             self._free(inbound)
             raise
-        alloc_id = next(self._ids)
+        alloc_id = self._new_alloc_id()
         self._inbound[alloc_id] = inbound
         self._gauges()
         slots = [
@@ -303,7 +302,10 @@ class PdReceiver:
             log.info(
                 "PD chunks gone from L1 before their commit", transfer=inbound.transfer_id, n=gone
             )
-        self._hold(inbound.transfer_id, present + have)
+        if present or have:
+            # Not for a commit that kept nothing (every chunk corrupt): an empty hold
+            # would count as a transfer held until pd.hold_s, one of MAX_TRANSFERS.
+            self._hold(inbound.transfer_id, present + have)
         self._gauges()
         return proto.CommitChunksReply(msg.rid, committed, rejected)
 
@@ -338,6 +340,16 @@ class PdReceiver:
         return self._pages
 
     # -- helpers ------------------------------------------------------------------------
+    def _new_alloc_id(self) -> int:
+        """Random, not counted: a prefiller whose push began before this process
+        (re)started reconnects to it and goes on naming the allocation the old one gave
+        it; a counted id would be one handed out here too, and its writes, commit or
+        cancel would land in another push. Never 0 (the sender's "none")."""
+        while True:
+            alloc_id = secrets.randbits(63)
+            if alloc_id and alloc_id not in self._inbound:
+                return alloc_id
+
     def _get(self, alloc_id: int) -> _Inbound:
         inbound = self._inbound.get(alloc_id)
         if inbound is None:
