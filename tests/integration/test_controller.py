@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from kvtest.controller import ControllerProcess, build_engine, store, tokens
+from kvtest.prom import sample_sum
 from kvtest.service_process import KvtestProcess
 from kvtest.waiting import wait_for
 
@@ -41,6 +42,10 @@ def http_post(srv: ControllerProcess, path: str, payload: object) -> tuple[int, 
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
+
+
+def snapshots_written(srv: ControllerProcess) -> float:
+    return sample_sum(http_get(srv, "/metrics"), "kvmesh_controller_snapshots_total")
 
 
 def chunks_of(srv: ControllerProcess) -> dict[str, dict[str, int]]:
@@ -380,7 +385,11 @@ def test_restarted_controller_comes_back_from_snapshot_and_resync(tmp_path: Path
     try:
         store(a, tokens(16, 20))
         wait_for(lambda: chunks_of(srv) == {"RA/0": {"l1": 2}, "RW/0": {"l1": 4}}, what="admits")
-        time.sleep(0.7)  # past one snapshot interval (0.5 s)
+        # A snapshot begun after the admits were seen is written: the one being written
+        # now may have been packed before them. (A fixed wait of 0.7 s raced a loaded
+        # controller's 0.5 s snapshot timer.)
+        written = snapshots_written(srv)
+        wait_for(lambda: snapshots_written(srv) >= written + 2, 10, "a snapshot with the admits")
         srv.kill()
         w.kill()  # RW dies with the controller: only the snapshot knows its chunks
         store(a, tokens(32, 22))  # events while the controller is down are lost
@@ -391,6 +400,9 @@ def test_restarted_controller_comes_back_from_snapshot_and_resync(tmp_path: Path
         assert restored["RW/0"] is True
         # RA re-registers and resends its full state: 2 + 4 chunks.
         wait_for(lambda: chunks_of(srv).get("RA/0") == {"l1": 6}, what="RA's resync")
+        # The registry holds the full state before its reply reaches RA, and RA counts
+        # the registration only once it has that reply.
+        wait_for(lambda: a.controller_client.registrations >= 2, 5, "RA's registration counted")
         assert a.controller_client.registrations == 2
         # Lookups use the restored entry until RW misses its heartbeats, then never.
         keys = keys_of(a, tokens(32, 21))

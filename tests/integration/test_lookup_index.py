@@ -111,7 +111,13 @@ def mesh(tmp_path_factory):
     try:
         service = LookupProcess(tmp, controller.url).start()
         eng = build_engine("inst-a", controller.url)
-        wait_for(lambda: service.index()["in_sync"], 20, "the index in sync")
+        # In sync is not enough: the engine's registration reaches the index in a push
+        # that may come after the lookup-server is in sync.
+        wait_for(
+            lambda: (i := service.index())["in_sync"] and i["workers"] == 1,
+            20,
+            "the index in sync, with the engine",
+        )
         yield controller, service, eng
     finally:
         if eng is not None:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import zmq
+from kvtest.waiting import wait_for
 
 from kvmesh.common.config import EngineConfig, L1Config, P2PConfig
 from kvmesh.common.memory import MemoryObj
@@ -73,7 +74,10 @@ def test_replies_a_reader_never_takes_let_go_of_their_chunks_once_zmq_drops_them
         sock.connect(e.p2p_endpoint)
         for rid in range(8):
             sock.send(proto.encode(proto.ReadChunks(rid, proto.PROTOCOL_VERSION, keys)))
-        time.sleep(1.0)  # served, and past SEND_WAIT_S
+        # Served (on the engine's loop, when it gets to it): the queued replies hold
+        # the pages, and still do past SEND_WAIT_S.
+        wait_for(lambda: all(obj.ref_count > 1 for obj in objs), 10, "the replies queued")
+        time.sleep(p2p_server.SEND_WAIT_S + 0.3)
         assert all(obj.ref_count > 1 for obj in objs)  # replies queued, pages held
         sock.close(0)  # its connection ends: ZMQ drops what it queued for it
         deadline = time.monotonic() + 5.0

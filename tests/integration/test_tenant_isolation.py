@@ -413,8 +413,14 @@ def test_engine_tenant_salts_isolate_deployments(mesh) -> None:
         "the registry to count s1's chunks",
     )
     assert counts == {"iso-s1": 4} | {k: 0 for k in counts if k != "iso-s1"}
-    hits = best(mesh, prompt)
-    assert hits.get("iso-s1") == N and not hits.get("iso-s2") and not hits.get("iso-a")
+    # BestInstances is answered from the lookup-server's copy of the registry, which
+    # the controller's pushes reach after the controller itself counts the chunks.
+    hits = wait_for(
+        lambda: (h := best(mesh, prompt)).get("iso-s1") == N and h,
+        10,
+        "the lookup-server's index to count s1's chunks",
+    )
+    assert not hits.get("iso-s2") and not hits.get("iso-a")
 
 
 # -- admin outputs ------------------------------------------------------------------------

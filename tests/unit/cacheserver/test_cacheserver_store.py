@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,15 @@ def run(coro):
     return asyncio.run(coro)
 
 
+async def spills_landed(spill: DiskSpill) -> None:
+    """Until every spill write has its file renamed into place and is indexed: writes
+    run on the spill's threads after the eviction that started them."""
+    deadline = time.monotonic() + 5
+    while spill._pending:
+        assert time.monotonic() < deadline, f"spill writes of {list(spill._pending)} never landed"
+        await asyncio.sleep(0.01)
+
+
 def test_spill_takes_evictions_and_gives_them_back_verified(tmp_path: Path) -> None:
     async def main() -> None:
         spill = DiskSpill(tmp_path / "spill", max_size=1 << 20)
@@ -127,7 +137,7 @@ def test_spill_takes_evictions_and_gives_them_back_verified(tmp_path: Path) -> N
         for k, v in values.items():
             store.put(k, make_entry(v, meta=k.encode()))
         assert len(store) == 2 and len(spill) == 3
-        await asyncio.sleep(0.2)  # writes land
+        await spills_landed(spill)
         assert len(list((tmp_path / "spill").glob("*.val"))) == 3
         for k, v in values.items():  # every value comes back, spilled or not
             e = await store.get(k)
@@ -151,7 +161,7 @@ def test_spill_drops_a_corrupted_file_as_a_miss(tmp_path: Path) -> None:
         store = MemoryStore(cost("a", 10 * KiB), 64 * KiB, spill)
         store.put("a", entry(10 * KiB, 1))
         store.put("b", entry(10 * KiB, 2))  # evicts a to the spill
-        await asyncio.sleep(0.2)
+        await spills_landed(spill)  # else a is still read from memory
         flip_a_value_bit(tmp_path)
         assert await store.get("a") is None
         assert spill.corrupt == 1 and not store.contains("a")

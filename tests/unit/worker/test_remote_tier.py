@@ -8,6 +8,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import HostMemoryPool, MemoryFormat
 from kvmesh.services.worker.engine import KVEngine
 from kvmesh.services.worker.loop_thread import LoopThread
+from kvmesh.services.worker.tiers import remote_presence
 from kvmesh.services.worker.tiers.remote import RemoteTier
 from kvmesh.services.worker.tiers.remote_connector import Fetched, host_ports, make_connector
 from kvmesh.services.worker.tiers.remote_presence import PresenceCache
@@ -264,15 +266,19 @@ def test_remove_and_clear_touch_only_this_tiers_namespaces(setup) -> None:
     obj.ref_down()
 
 
-def test_presence_cache_ttls_and_bound() -> None:
+def test_presence_cache_ttls_and_bound(monkeypatch) -> None:
+    # The cache's own clock, moved by hand: with real sleeps, a test thread preempted
+    # for 50 ms on a loaded machine saw the absence expire before its first check.
+    now = [1000.0]
+    monkeypatch.setattr(remote_presence, "time", SimpleNamespace(monotonic=lambda: now[0]))
     cache = PresenceCache(max_keys=3, present_ttl_s=0.2, absent_ttl_s=0.05)
     cache.update([key(0), key(1), key(2)], [True, True, False])
     assert cache.prefix([key(0), key(1), key(2), key(3)]) == (2, False)
-    time.sleep(0.06)
+    now[0] += 0.06
     assert cache.prefix([key(0), key(1), key(2)]) == (2, None)  # the absence expired
     cache.update([key(5), key(6)], [True, True])
     assert len(cache) <= 3
-    time.sleep(0.21)
+    now[0] += 0.21
     assert cache.get(key(5)) is None
 
 
