@@ -359,13 +359,18 @@ class LookupService:
     async def _instance_workers(self, instance_id: str, op: str) -> list[Worker]:
         index = self.follower.synced_index() if self.follower is not None else None
         if index is not None:
-            self._from_index[op].inc()
-            return list(index.instance_workers(instance_id))
+            workers = list(index.instance_workers(instance_id))
+            if _complete(workers):
+                self._from_index[op].inc()
+                return workers
         now = time.monotonic()
+        # With the index in sync, the controller's list is read only for an instance
+        # the index does not have complete (its registration may be a push behind).
         stale = now - self._workers_at > self.config.registry_refresh_s
-        # An instance not seen yet may have just registered: re-read at once (but not
-        # more than every 50 ms, so unknown ids cannot hammer the controller).
-        unknown = instance_id not in self._workers
+        # An instance not seen yet may have just registered (or registered its lookup
+        # endpoint): re-read at once, but not more than every 50 ms, so unknown ids
+        # cannot hammer the controller.
+        unknown = not _complete(self._workers.get(instance_id, []))
         if not (stale or (unknown and (self._listing is not None or now - self._listed_at > 0.05))):
             return self._workers.get(instance_id, [])
         self._fallbacks[op].inc()
@@ -541,6 +546,12 @@ class LookupService:
 
 async def _none() -> int:
     return -1
+
+
+def _complete(workers: list[Worker]) -> bool:
+    """Some workers, each with its lookup endpoint (a worker registers it once its
+    lookup server is up)."""
+    return bool(workers) and all(w.lookup_endpoint for w in workers)
 
 
 @contextlib.asynccontextmanager

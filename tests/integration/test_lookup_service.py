@@ -125,6 +125,13 @@ def mesh(tmp_path_factory):
             )  # fmt: skip
 
         wait_for(registered, 20, "both workers registered with their lookup endpoints")
+
+        def indexed() -> bool:
+            # The lookup-server's copy of the registry is a push behind the controller.
+            hits = lookup_service(service.url, lambda c: c.best_instances(PROMPT))
+            return {(h.instance_id, h.hit_tokens) for h in hits} == {("inst-a", 32), ("inst-b", 16)}
+
+        wait_for(indexed, 20, "both workers' chunks in the lookup-server's index")
         yield controller, service, eng_a, worker_b
     finally:
         if worker_b is not None:

@@ -83,11 +83,15 @@ def test_a_pinned_lookup_carries_its_id_in_both_processes_logs(mesh) -> None:
 
     async def lookup() -> int:
         async with LookupServiceClient(url, timeout_s=10.0, name="test") as client:
-            # The worker registers its lookup endpoint shortly after it is ready.
+            # The worker registers its lookup endpoint shortly after it is ready: until
+            # then a lookup fails, or counts 0 (no rank asked).
             for _ in range(200):
                 try:
                     reply = await client.lookup("inst-w", PROMPT, lookup_id=lookup_id, pin=True)
                 except Exception:
+                    await asyncio.sleep(0.05)
+                    continue
+                if reply.hit_tokens == 0:
                     await asyncio.sleep(0.05)
                     continue
                 await client.release("inst-w", lookup_id)

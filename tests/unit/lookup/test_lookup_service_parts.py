@@ -11,6 +11,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -269,6 +270,31 @@ async def test_concurrent_re_reads_of_the_worker_list_are_one() -> None:
         )
         assert found == [[]] * 100
         assert len(ctl.seen) - n == 1  # one ListWorkers for all of them
+    finally:
+        await svc._controller.close()
+        ctl.close()
+
+
+async def test_an_instance_the_index_lacks_is_read_from_the_controller() -> None:
+    """In sync, the index may still be a push behind the controller: an instance it
+    does not have, or has without its lookup endpoint, is taken from the controller's
+    list; one it has complete costs no controller read."""
+    ctl = StandIn(controller_answers([worker(0, 1, "tcp://127.0.0.1:9")]))
+    svc = service(ctl.url, controller_timeout_s=2.0)
+    in_index: dict[str, list[cproto.WorkerInfo]] = {}
+    index = SimpleNamespace(instance_workers=lambda iid: in_index.get(iid, []))
+    svc.follower = SimpleNamespace(synced_index=lambda: index)  # type: ignore[assignment]
+    await svc._controller.connect(hello=False)
+    try:
+        for lagging in ([], [worker(0, 1, "")]):
+            in_index["i"] = lagging
+            got = await svc._instance_workers("i", "lookup")
+            assert [w.lookup_endpoint for w in got] == ["tcp://127.0.0.1:9"]
+        asked = len(ctl.seen)
+        in_index["i"] = [worker(0, 1, "tcp://127.0.0.1:8")]
+        got = await svc._instance_workers("i", "lookup")
+        assert [w.lookup_endpoint for w in got] == ["tcp://127.0.0.1:8"]
+        assert len(ctl.seen) == asked
     finally:
         await svc._controller.close()
         ctl.close()
