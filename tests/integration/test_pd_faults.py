@@ -32,6 +32,9 @@ GRACE_S = 1.0  # the decoder's pd.timeout_s: a dead push's buffers go after PUSH
 DELAY_S = 0.4  # between layers: a push of 4 layers takes 1.2 s
 SWEEP_S = 1.0  # the engine's expiry pass runs at least this often
 CHANNELS = ["zmq", "nixl"]
+# What a bound may be overrun by on a loaded 2-core machine (processes descheduled);
+# still short of a second deadline.
+SLACK_S = 1.5
 
 
 class PdNode(KvtestProcess):
@@ -112,7 +115,7 @@ def test_prefiller_killed_mid_push_frees_the_decoder_s_buffers(nodes, channel: s
     # The buffers go back by the push's deadline plus the grace (and one expiry pass).
     wait_for(lambda: d.state()["inflight"] == 0, PUSH_S + GRACE_S + SWEEP_S + 2, "expiry")
     freed_s = time.monotonic() - t0
-    assert freed_s <= PUSH_S + GRACE_S + SWEEP_S + 0.5, freed_s
+    assert freed_s <= PUSH_S + GRACE_S + SWEEP_S + SLACK_S, freed_s
     s = assert_clean(d)
     assert s["expired"] == 1 and s["received"] == 0, s
     # Nothing of the half-pushed prompt is served.
@@ -169,7 +172,7 @@ def test_decoder_killed_mid_push_fails_the_push_by_its_deadline(nodes, channel: 
     done = p(op="pushed", timeout_s=PUSH_S + 5)
     assert done["running"] is False and done["pushed"] == 0, done
     # Within the deadline (the layers' pauses run beside it), plus the cancel's second.
-    assert done["seconds"] <= PUSH_S + 1.0 + 0.5, done
+    assert done["seconds"] <= PUSH_S + 1.0 + SLACK_S, done
     s = p.state()
     assert s["pushes"]["failed"] == 1 and s["push_inflight"] == 0, s
     assert s["used_pages"] == s["l1_chunks"] == CHUNKS, s  # its own cache, nothing else
@@ -200,7 +203,7 @@ def test_decoder_frozen_mid_push_fails_the_push_and_holds_nothing_after(
     d.freeze(PUSH_S + 1.5)
     done = p(op="pushed", timeout_s=PUSH_S + 5)
     assert done["running"] is False and done["pushed"] == 0, done
-    assert done["seconds"] <= PUSH_S + 1.0 + 0.5, done
+    assert done["seconds"] <= PUSH_S + 1.0 + SLACK_S, done
     assert p.state()["push_inflight"] == 0
     # Awake, the decoder handles what was queued for it (late writes, a late commit,
     # the cancel): a push its sender gave up on leaves nothing held.
