@@ -61,6 +61,7 @@ class ErrorCode(IntEnum):
     DEADLINE_EXCEEDED = 5
     INTERNAL = 6
     SHUTTING_DOWN = 7
+    WRONG_WORKER = 8  # the request names another instance or rank than the one asked
 
 
 RETRYABLE = frozenset({ErrorCode.DEADLINE_EXCEEDED, ErrorCode.SHUTTING_DOWN})
@@ -83,6 +84,11 @@ class LookupPrefix(wire.Message, tag="lookup"):
     pin: bool = True
     tenant: str = ""
     deadline: float = 0.0
+    # The worker the asker means ("" / -1: any). An asker working from a worker list
+    # that may be old (the lookup-server) names it: an endpoint reused since by another
+    # worker answers WRONG_WORKER instead of counting its own chunks as that one's.
+    instance_id: str = ""
+    rank: int = -1
 
 
 class ReleaseLookup(wire.Message, tag="release"):

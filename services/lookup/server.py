@@ -106,7 +106,8 @@ class LookupService:
         self._seconds = {op: seconds.labels(op=op) for op in OPS}
         fallbacks = m.counter(
             "lookup_controller_fallbacks_total",
-            "Registry reads that asked the controller (index off or not in sync), by op",
+            "Registry reads that asked the controller (index off or not in sync, or an "
+            "instance the index lacks), by op",
             ["op"],
         )
         from_index = m.counter(
@@ -157,9 +158,9 @@ class LookupService:
         self._listing: asyncio.Task | None = None
         self._listed_at = float("-inf")
         # When an ask found the controller not answering (None: the last one got an
-        # answer), and when it was last asked again since.
+        # answer), and whether one asks it again now.
         self._controller_failed_at: float | None = None
-        self._probed_at = float("-inf")
+        self._probing = False
         ns = KeyNamespace(model="-", kv_layout="-", dtype="-", world_size=1, rank=0)
         self._tokendb = ChunkedTokenDatabase(
             ns, chunk_size=config.chunk_size, hash_algorithm=config.hash_algorithm
@@ -315,27 +316,30 @@ class LookupService:
         return self._controller_failed_at is not None
 
     def _may_ask_controller(self, now: float) -> bool:
-        """Up, or down and no ask for CONTROLLER_RETRY_S: one request probes it then,
-        the others do not each wait out controller_timeout_s meanwhile."""
+        """Up; or down, no ask of it in flight and none failed for CONTROLLER_RETRY_S:
+        one request probes it then, the others do not each wait out
+        controller_timeout_s meanwhile."""
         failed = self._controller_failed_at
-        return failed is None or now - max(failed, self._probed_at) >= CONTROLLER_RETRY_S
+        return failed is None or (not self._probing and now - failed >= CONTROLLER_RETRY_S)
 
     async def _ask_controller(self, build: Callable[[int], Any], expect: type) -> Any:
-        now = time.monotonic()
-        if not self._may_ask_controller(now):
+        if not self._may_ask_controller(time.monotonic()):
             raise Unavailable("controller did not answer just now")
-        if self._controller_down():
-            self._probed_at = now
+        probe = self._controller_down()
+        self._probing |= probe
         try:
-            return await self._ask_controller_once(build, expect)
+            reply = await self._ask_controller_once(build, expect)
         except Unavailable:
             self._controller_failed_at = time.monotonic()
             raise
         except Refused:
             self._controller_failed_at = None  # it answered
             raise
-        else:
-            self._controller_failed_at = None
+        finally:
+            if probe:
+                self._probing = False
+        self._controller_failed_at = None
+        return reply
 
     async def _ask_controller_once(self, build: Callable[[int], Any], expect: type) -> Any:
         conn = self._controller
@@ -364,16 +368,17 @@ class LookupService:
                 self._from_index[op].inc()
                 return workers
         now = time.monotonic()
-        # With the index in sync, the controller's list is read only for an instance
-        # the index does not have complete (its registration may be a push behind).
         stale = now - self._workers_at > self.config.registry_refresh_s
         # An instance not seen yet may have just registered (or registered its lookup
-        # endpoint): re-read at once, but not more than every 50 ms, so unknown ids
-        # cannot hammer the controller.
-        unknown = not _complete(self._workers.get(instance_id, []))
+        # endpoint, or another rank): re-read at once, but not more than every 50 ms,
+        # so unknown ids cannot hammer the controller. With the index in sync, only an
+        # instance it lacks gets here (a registration may be a push behind), and the
+        # controller's list must be newer than the index to overrule it.
+        unknown = not _complete(self._workers.get(instance_id, [])) or (
+            index is not None and self._workers_at < self.follower.last_index()[1]
+        )
         if not (stale or (unknown and (self._listing is not None or now - self._listed_at > 0.05))):
             return self._workers.get(instance_id, [])
-        self._fallbacks[op].inc()
         if self._listing is None and self._may_ask_controller(now):
             # One read for every request that finds the list stale meanwhile.
             self._listed_at = now
@@ -381,12 +386,13 @@ class LookupService:
             self._listing.add_done_callback(self._listed)
         # The workers answer lookups and releases themselves, so while the controller
         # does not answer the last list known serves: a worker gone since times out as
-        # a rank holding nothing, one joined since is not asked (a shorter hit). Never
-        # a count higher than what every rank holds.
+        # a rank holding nothing, one joined since is not asked (a shorter hit), and an
+        # endpoint another worker took over refuses (each request names its worker).
         known = self._last_known_workers(instance_id) if self._controller_down() else []
         if not known:
             if self._listing is None:
                 raise Unavailable("controller did not answer just now")
+            self._fallbacks[op].inc()
             try:
                 await asyncio.shield(self._listing)
                 return self._workers.get(instance_id, [])
@@ -430,6 +436,8 @@ class LookupService:
             return [cproto.InstancePrefix(*c) for c in found], "index"
         if not hashes:
             return [], "controller"
+        if not self._may_ask_controller(time.monotonic()):
+            raise Unavailable("controller did not answer just now")
         self._fallbacks[op].inc()
         reply = await self._ask_controller(
             lambda rid: cproto.PrefixCounts(rid, hashes, instance_id), cproto.PrefixCountsReply
@@ -485,10 +493,11 @@ class LookupService:
             return proto.LookupReply(msg.rid, 0, [], 0, "workers")
         endpoints = [ranks[r] for r in range(world)]
 
-        def make(rid: int, deadline: float) -> wire.LookupPrefix:
+        def make(rid: int, deadline: float, rank: int) -> wire.LookupPrefix:
             return wire.LookupPrefix(
-                rid, wire.PROTOCOL_VERSION, lookup_id, msg.tokens, msg.pin, msg.tenant, deadline
-            )
+                rid, wire.PROTOCOL_VERSION, lookup_id, msg.tokens, msg.pin, msg.tenant,
+                deadline, msg.instance_id, rank,
+            )  # fmt: skip
 
         asked = self._pool.ask(endpoints, make, self.config.worker_timeout_s)
         l1 = self._l1_tokens(msg) if not msg.tenant else _none()
@@ -549,9 +558,12 @@ async def _none() -> int:
 
 
 def _complete(workers: list[Worker]) -> bool:
-    """Some workers, each with its lookup endpoint (a worker registers it once its
-    lookup server is up)."""
-    return bool(workers) and all(w.lookup_endpoint for w in workers)
+    """Every rank of the instance, each with its lookup endpoint (a worker registers
+    it once its lookup server is up)."""
+    if not workers or not all(w.lookup_endpoint for w in workers):
+        return False
+    world = max(w.world_size for w in workers)
+    return len({w.rank for w in workers if 0 <= w.rank < world}) == world
 
 
 @contextlib.asynccontextmanager

@@ -112,14 +112,17 @@ class WorkerPool:
     async def ask(
         self,
         endpoints: list[str],
-        make: Callable[[int, float], wire.LookupPrefix],
+        make: Callable[[int, float, int], wire.LookupPrefix],
         timeout_s: float,
     ) -> list[wire.Reply | None]:
-        """Send make(rid, deadline) to every endpoint; each reply, or None without one
-        before the deadline (or for an empty endpoint)."""
+        """Send make(rid, deadline, i) to every endpoints[i]; each reply, or None
+        without one before the deadline (or for an empty endpoint)."""
         deadline = time.time() + timeout_s
         return await asyncio.gather(
-            *(self._ask_one(e, make, deadline, timeout_s) for e in endpoints)
+            *(
+                self._ask_one(e, lambda rid, dl, i=i: make(rid, dl, i), deadline, timeout_s)
+                for i, e in enumerate(endpoints)
+            )
         )
 
     async def _ask_one(

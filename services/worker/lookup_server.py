@@ -240,6 +240,15 @@ class LookupServer:
 
     def _lookup(self, msg: proto.LookupPrefix) -> proto.Reply:
         self._requests["lookup"].inc()
+        e = self.engine
+        if (msg.instance_id and msg.instance_id != e.instance_id) or (
+            msg.rank >= 0 and msg.rank != e.rank
+        ):
+            return proto.error_reply(
+                msg.rid,
+                proto.ErrorCode.WRONG_WORKER,
+                f"this is {e.instance_id!r} rank {e.rank}, not {msg.instance_id!r} rank {msg.rank}",
+            )
         if msg.deadline and time.time() > msg.deadline:
             # The asker has given up: counting now would only pin chunks for nobody.
             return proto.error_reply(

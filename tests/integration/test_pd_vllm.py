@@ -197,7 +197,87 @@ def _why(mesh: Mesh) -> str:
 
 
 def _fallbacks(mesh: Mesh) -> float:
-    values = mesh.bridge.metrics()
+    return _fallbacks_of(mesh.bridge)
+
+
+def test_first_request_of_a_bfloat16_decoder_loads_its_whole_prompt_and_answers(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A decoder whose very first step is a PD decode: every prompt token but the last
+    loaded, one computed. In bfloat16 (vLLM's default for this float32 model, as in
+    compose.yaml) vLLM's CPU attention then runs AMX tile instructions before anything
+    in the process asked Linux for them; without the connector's request (cpu_amx) the
+    engine core died of SIGILL on a CPU with AMX: a 500, and a dead decoder. Its own
+    servers: the decoder must not have served anything before (before `mesh` starts)."""
+    work = tmp_path_factory.mktemp("bf16")  # short: vLLM's IPC sockets live under it
+    p2p_port, dec_metrics = free_port(), free_port()
+    prefiller = VllmServer(
+        tiny_model,
+        work,
+        name="pre16",
+        dtype="bfloat16",
+        kv_transfer_config=kvmesh_transfer_config(
+            "kv_producer",
+            {"engine": {"l1": {"max_size": "64MiB", "reserve": 0}, "pd": {"role": "sender"}}},
+            instance_id="prefiller-bf16",
+        ),
+        args=["--no-enable-prefix-caching"],
+    )
+    decoder = VllmServer(
+        tiny_model,
+        work,
+        name="dec16",
+        dtype="bfloat16",
+        kv_transfer_config=kvmesh_transfer_config(
+            "kv_consumer",
+            {
+                "engine": {
+                    "l1": {"max_size": "64MiB", "reserve": 0},
+                    "pd": {"role": "receiver"},
+                    "p2p": {"port": p2p_port},
+                    "metrics_port": dec_metrics,
+                }
+            },
+            instance_id="decoder-bf16",
+        ),
+        args=["--no-enable-prefix-caching"],
+    )
+    prefiller.launch()
+    decoder.launch()
+    try:
+        prefiller.wait_ready()
+        decoder.wait_ready()
+        bridge = BridgeProcess(
+            work,
+            prefillers=[prefiller.url],
+            decoders=[(decoder.url, [f"tcp://127.0.0.1:{p2p_port}"])],
+            prefill_timeout_s=30,
+        )
+        bridge.launch()
+        bridge.wait_ready()
+        try:
+            prompt = prompt_tokens(1500, seed=1)  # 5 chunks and a partial one
+            body = {"model": str(tiny_model), "prompt": prompt, "max_tokens": 4, "temperature": 0}
+            for attempt in range(2):
+                status, answer = bridge.post("/v1/completions", body, timeout_s=120)
+                assert status == 200, (attempt, answer, decoder.log_tail())
+                assert answer["choices"][0]["text"], answer
+                # Loaded, not computed: every prompt token but the last came from kvmesh.
+                hit = answer["kv_transfer_params"]["kvmesh_result"]["hit_tokens"]
+                assert hit == len(prompt) - 1, (attempt, answer)
+            assert decoder.proc.poll() is None
+            with urllib.request.urlopen(f"{decoder.url}/health", timeout=5) as resp:
+                assert resp.status == 200
+            assert _fallbacks_of(bridge) == 0
+        finally:
+            bridge.stop()
+    finally:
+        prefiller.stop()
+        decoder.stop()
+
+
+def _fallbacks_of(bridge: BridgeProcess) -> float:
+    values = bridge.metrics()
     return sum(v for k, v in values.items() if k.startswith("kvmesh_bridge_fallbacks_total{"))
 
 

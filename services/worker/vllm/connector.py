@@ -35,6 +35,7 @@ from kvmesh.common.config import EngineConfig, KvmeshConfig
 from kvmesh.common.observability import configure_logging
 from kvmesh.common.transport.curve import CurveKeys, load_curve
 from kvmesh.services.worker.lookup_client import LookupClient
+from kvmesh.services.worker.vllm.cpu_amx import request_amx
 from kvmesh.services.worker.vllm.kv_events import KvmeshKVEvents
 from kvmesh.services.worker.vllm.metadata import KvmeshConnectorMetadata
 from kvmesh.services.worker.vllm.options import parse_extra_config
@@ -168,6 +169,10 @@ class KvmeshConnector(KVConnectorBase_V1):
     # -- worker role --------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
+        if any(t.device.type == "cpu" for t in kv_caches.values()):
+            # Before vLLM's first forward pass: its bfloat16 CPU attention runs AMX
+            # tile instructions without asking for them (cpu_amx's doc).
+            request_amx()
         mla_group = None
         if self._vllm_config.model_config.use_mla and self._worker.world_size > 1:
             from vllm.distributed.parallel_state import get_tp_group

@@ -116,7 +116,7 @@ async def test_the_pool_asks_any_number_of_endpoints_over_time() -> None:
     pool = WorkerPool()
     d = tempfile.mkdtemp(prefix="kvm-pool")
 
-    def make(rid: int, deadline: float) -> wire.LookupPrefix:
+    def make(rid: int, deadline: float, rank: int) -> wire.LookupPrefix:
         return wire.LookupPrefix(rid, 1, "x", b"", False, "", deadline)
 
     try:
@@ -142,7 +142,7 @@ async def test_a_socket_that_cannot_be_made_is_a_miss(monkeypatch: pytest.Monkey
     monkeypatch.setattr(workers_mod, "_Conn", no_socket)
     pool = WorkerPool()
     try:
-        make = lambda rid, dl: wire.LookupPrefix(rid, 1, "x", b"", False, "", dl)  # noqa: E731
+        make = lambda rid, dl, rank: wire.LookupPrefix(rid, 1, "x", b"", False, "", dl)  # noqa: E731
         assert await pool.ask(["tcp://127.0.0.1:9"], make, 0.5) == [None]
     finally:
         await pool.close()
@@ -283,7 +283,9 @@ async def test_an_instance_the_index_lacks_is_read_from_the_controller() -> None
     svc = service(ctl.url, controller_timeout_s=2.0)
     in_index: dict[str, list[cproto.WorkerInfo]] = {}
     index = SimpleNamespace(instance_workers=lambda iid: in_index.get(iid, []))
-    svc.follower = SimpleNamespace(synced_index=lambda: index)  # type: ignore[assignment]
+    svc.follower = SimpleNamespace(  # type: ignore[assignment]
+        synced_index=lambda: index, last_index=lambda: (index, time.monotonic())
+    )
     await svc._controller.connect(hello=False)
     try:
         for lagging in ([], [worker(0, 1, "")]):
@@ -295,6 +297,47 @@ async def test_an_instance_the_index_lacks_is_read_from_the_controller() -> None
         got = await svc._instance_workers("i", "lookup")
         assert [w.lookup_endpoint for w in got] == ["tcp://127.0.0.1:8"]
         assert len(ctl.seen) == asked
+    finally:
+        await svc._controller.close()
+        ctl.close()
+
+
+async def test_a_silent_controller_is_probed_by_one_request_then_asked_by_all_again() -> None:
+    """While the controller does not answer, one request at a time asks it (at most
+    every CONTROLLER_RETRY_S) and the others get UNAVAILABLE at once; once it answers
+    again, every request asks it."""
+    silent = threading.Event()
+    answer = controller_answers(prefix_counts=lambda m: cproto.PrefixCountsReply(m.rid, []))
+    ctl = StandIn(lambda raw: [] if silent.is_set() else answer(raw))
+    svc = service(ctl.url, controller_timeout_s=1.0)
+    await svc._controller.connect(hello=False)
+
+    async def count(n: int) -> tuple[int, float]:
+        t0 = time.monotonic()
+        results = await asyncio.gather(
+            *(svc._prefix_counts([b"h" * 16], "best") for _ in range(n)),
+            return_exceptions=True,
+        )
+        return sum(isinstance(r, server_mod.Unavailable) for r in results), time.monotonic() - t0
+
+    try:
+        assert (await count(1))[0] == 0
+        silent.set()
+        assert (await count(1))[0] == 1  # waits out the deadline: the controller is down
+        unavailable, took = await count(20)
+        assert unavailable == 20 and took < 0.5  # nobody waited out the 1 s deadline
+        await asyncio.sleep(server_mod.CONTROLLER_RETRY_S)
+        probes = len(ctl.seen)
+        assert (await count(20))[0] == 20  # one probe among them, in vain
+        assert len(ctl.seen) - probes == 1
+        silent.clear()
+        await asyncio.sleep(server_mod.CONTROLLER_RETRY_S)
+        assert (await count(1))[0] == 0  # the probe gets an answer
+        asked = len(ctl.seen)
+        for _ in range(10):
+            assert (await count(2))[0] == 0
+        assert len(ctl.seen) - asked == 20
+        assert svc._controller_failed_at is None
     finally:
         await svc._controller.close()
         ctl.close()

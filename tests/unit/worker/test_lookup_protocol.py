@@ -200,6 +200,37 @@ def test_tenants_are_isolated(served) -> None:
     assert result.per_rank == [None] and "error 1" in result.errors[0]
 
 
+def test_a_lookup_naming_another_worker_is_refused_and_pins_nothing(served) -> None:
+    """An asker on an old worker list (the lookup-server while the controller is
+    down) may reach an endpoint another worker took over since: that worker must not
+    count its own chunks as the named one's."""
+    eng, server, _client = served
+    p = prompt(8)
+    eng.store(p, slots(8))
+    tokens = proto.encode_tokens(p)
+    sock = raw_dealer(server.endpoint)
+    try:
+        for rid, (instance, rank) in enumerate([("other", 0), ("inst", 1), ("other", -1)], 1):
+            sock.send(
+                proto.encode(
+                    proto.LookupPrefix(rid, 1, f"w{rid}", tokens, True, "", 0.0, instance, rank)
+                )
+            )
+            reply = proto.decode_reply(sock.recv())
+            assert isinstance(reply, proto.ErrorReply), reply
+            assert (reply.rid, reply.code) == (rid, proto.ErrorCode.WRONG_WORKER)
+            assert f"w{rid}" not in eng.pins
+        for rid, (instance, rank) in enumerate([("inst", 0), ("inst", -1), ("", -1)], 10):
+            sock.send(
+                proto.encode(
+                    proto.LookupPrefix(rid, 1, f"r{rid}", tokens, False, "", 0.0, instance, rank)
+                )
+            )
+            assert proto.decode_reply(sock.recv()) == proto.LookupPrefixReply(rid, 8)
+    finally:
+        sock.close(0)
+
+
 def test_malformed_frames_get_error_replies_and_the_server_goes_on(served) -> None:
     eng, server, client = served
     sock = raw_dealer(server.endpoint)
