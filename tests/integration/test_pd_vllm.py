@@ -17,10 +17,11 @@ invariant to how a prefill is split; see vllm_fixture.Reference).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,10 +146,33 @@ def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         # vLLM's own prefix cache off: every reused token must come from kvmesh.
         args=["--no-enable-prefix-caching", "--enable-prompt-tokens-details"],
     )
+    meanwhile = lambda: _reference(tiny_model, work)  # noqa: E731
+    with _bridged(work, prefiller, decoder, p2p_port, meanwhile) as (bridge, reference):
+        yield Mesh(
+            str(tiny_model),
+            prefiller,
+            decoder,
+            bridge,
+            f"http://127.0.0.1:{dec_metrics}/metrics",
+            f"http://127.0.0.1:{pre_metrics}/metrics",
+            reference,
+        )
+
+
+@contextlib.contextmanager
+def _bridged(
+    work: Path,
+    prefiller: VllmServer,
+    decoder: VllmServer,
+    p2p_port: int,
+    meanwhile: Callable[[], object] = lambda: None,
+) -> Iterator[tuple[BridgeProcess, object]]:
+    """Both servers started (meanwhile() run while they start), then a bridge over
+    them; the bridge and what meanwhile() returned. All stopped on exit."""
     prefiller.launch()
     decoder.launch()
     try:
-        reference = _reference(tiny_model, work)
+        result = meanwhile()
         prefiller.wait_ready()
         decoder.wait_ready()
         bridge = BridgeProcess(
@@ -160,15 +184,7 @@ def mesh(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         bridge.launch()
         bridge.wait_ready()
         try:
-            yield Mesh(
-                str(tiny_model),
-                prefiller,
-                decoder,
-                bridge,
-                f"http://127.0.0.1:{dec_metrics}/metrics",
-                f"http://127.0.0.1:{pre_metrics}/metrics",
-                reference,
-            )
+            yield bridge, result
         finally:
             bridge.stop()
     finally:
@@ -242,38 +258,20 @@ def test_first_request_of_a_bfloat16_decoder_loads_its_whole_prompt_and_answers(
         ),
         args=["--no-enable-prefix-caching"],
     )
-    prefiller.launch()
-    decoder.launch()
-    try:
-        prefiller.wait_ready()
-        decoder.wait_ready()
-        bridge = BridgeProcess(
-            work,
-            prefillers=[prefiller.url],
-            decoders=[(decoder.url, [f"tcp://127.0.0.1:{p2p_port}"])],
-            prefill_timeout_s=30,
-        )
-        bridge.launch()
-        bridge.wait_ready()
-        try:
-            prompt = prompt_tokens(1500, seed=1)  # 5 chunks and a partial one
-            body = {"model": str(tiny_model), "prompt": prompt, "max_tokens": 4, "temperature": 0}
-            for attempt in range(2):
-                status, answer = bridge.post("/v1/completions", body, timeout_s=120)
-                assert status == 200, (attempt, answer, decoder.log_tail())
-                assert answer["choices"][0]["text"], answer
-                # Loaded, not computed: every prompt token but the last came from kvmesh.
-                hit = answer["kv_transfer_params"]["kvmesh_result"]["hit_tokens"]
-                assert hit == len(prompt) - 1, (attempt, answer)
-            assert decoder.proc.poll() is None
-            with urllib.request.urlopen(f"{decoder.url}/health", timeout=5) as resp:
-                assert resp.status == 200
-            assert _fallbacks_of(bridge) == 0
-        finally:
-            bridge.stop()
-    finally:
-        prefiller.stop()
-        decoder.stop()
+    with _bridged(work, prefiller, decoder, p2p_port) as (bridge, _):
+        prompt = prompt_tokens(1500, seed=1)  # 5 chunks and a partial one
+        body = {"model": str(tiny_model), "prompt": prompt, "max_tokens": 4, "temperature": 0}
+        for attempt in range(2):
+            status, answer = bridge.post("/v1/completions", body, timeout_s=120)
+            assert status == 200, (attempt, answer, decoder.log_tail())
+            assert answer["choices"][0]["text"], answer
+            # Loaded, not computed: every prompt token but the last came from kvmesh.
+            hit = answer["kv_transfer_params"]["kvmesh_result"]["hit_tokens"]
+            assert hit == len(prompt) - 1, (attempt, answer)
+        assert decoder.proc.poll() is None
+        with urllib.request.urlopen(f"{decoder.url}/health", timeout=5) as resp:
+            assert resp.status == 200
+        assert _fallbacks_of(bridge) == 0
 
 
 def _fallbacks_of(bridge: BridgeProcess) -> float:
