@@ -810,6 +810,9 @@ TEMPLATE_ERRORS = [
      "controller.ports.eventsReplay needs controller.ports.events"),
     ({"config": {"controller": {"events_port": 7700}}},
      "config.controller.events_port is set by the chart; set controller.ports.events instead"),
+    ({"tmp": {"enabled": False}}, "tmp.enabled false with securityContext.readOnlyRootFilesystem"),
+    ({"worker": {"home": {"enabled": False}}},
+     "worker.home.enabled false with securityContext.readOnlyRootFilesystem"),
 ]  # fmt: skip
 
 

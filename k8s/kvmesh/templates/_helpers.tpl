@@ -321,6 +321,14 @@ The snapshot, spill, disk tier and /dev/shm volumes are the components' own.
 
 {{- define "kvmesh.scratchVolumes" -}}
 {{- $root := index . 0 -}}
+{{- if (($root.Values.securityContext | default dict).readOnlyRootFilesystem) -}}
+{{- if not $root.Values.tmp.enabled -}}
+{{- fail "tmp.enabled false with securityContext.readOnlyRootFilesystem true: nothing could write /tmp (Python's tempfile, vLLM's RPC sockets); enable tmp or set readOnlyRootFilesystem false" -}}
+{{- end -}}
+{{- if and (index . 1) (not $root.Values.worker.home.enabled) -}}
+{{- fail "worker.home.enabled false with securityContext.readOnlyRootFilesystem true: vLLM could not write its caches under HOME; enable worker.home or set readOnlyRootFilesystem false" -}}
+{{- end -}}
+{{- end -}}
 {{- if $root.Values.tmp.enabled }}
 - name: tmp
   emptyDir: {{ include "kvmesh.emptyDir" $root.Values.tmp }}
