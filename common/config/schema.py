@@ -224,6 +224,8 @@ class P2PConfig(_Section):
     channel: Literal["auto", "nixl", "zmq"] = "auto"
     timeout_s: PositiveSeconds = 1.0
     lookup_timeout_s: PositiveSeconds = 0.05
+    # Connections (and NIXL agents) of peers unused this long are let go.
+    peer_idle_s: PositiveSeconds = 300.0
 
 
 class PDConfig(_Section):

@@ -5,7 +5,10 @@ reader talks through a DEALER, the serving engine's ROUTER sees `[routing id, fr
 Replies are `[header, *payloads]`.
 
 - `Hello` tells who the peer is and, when it serves over NIXL, its agent's name and
-  metadata (what `add_remote_agent` takes). An empty agent means "ZMQ only".
+  metadata (what `add_remote_agent` takes). An empty agent means "ZMQ only". Replies
+  that hand out addresses (`PinChunksReply`, `AllocChunksReply`) name the agent they
+  belong to, so a peer restarted behind the same endpoint is noticed before any
+  transfer, not by a failed one.
 - `ReadChunks(keys)` (the ZMQ channel): the reply lists a `ChunkMeta` for each key the
   peer holds in L1 (missing keys are left out, order kept) and carries one payload
   frame per listed chunk, in the same order.
@@ -178,6 +181,9 @@ class PinChunksReply(wire.Message, tag="pin_r"):
     rid: int
     lease: int
     chunks: list[ChunkMeta]
+    # The NIXL agent whose memory the addresses are in: a reader that hello'd another
+    # process behind this endpoint (it restarted since) hellos again before reading.
+    agent: str = ""
 
 
 class ReleaseChunksReply(wire.Message, tag="release_r"):
@@ -205,6 +211,9 @@ class AllocChunksReply(wire.Message, tag="alloc_r"):
     rid: int
     alloc_id: int
     slots: list[Slot]
+    # The NIXL agent whose memory the slots are in; a prefiller writes into that agent
+    # only (never into another process that took over the endpoint since).
+    agent: str = ""
 
 
 class PushChunksReply(wire.Message, tag="push_r"):

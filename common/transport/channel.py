@@ -22,7 +22,12 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvmesh.common.memory import MemoryObj
 from kvmesh.common.protocol.p2p import MAX_HEADER_BYTES, ChunkMeta, HelloReply, Reply, Request
-from kvmesh.common.transport.peer_conn import PeerConnections, PeerError, StuckTransfer
+from kvmesh.common.transport.peer_conn import (
+    DEFAULT_IDLE_S,
+    PeerConnections,
+    PeerError,
+    StuckTransfer,
+)
 
 if TYPE_CHECKING:
     from kvmesh.common.transport.curve import CurveKeys
@@ -86,9 +91,13 @@ class TransferChannel(Protocol):
         layer: int,
         pieces: Sequence[Piece],
         timeout_s: float,
+        *,
+        agent: str = "",
     ) -> None:
         """Write layer (-1: all) of each piece's chunk into the receive buffers of a
-        PD allocation at the peer. Raises PeerError when it did not complete."""
+        PD allocation at the peer. agent: the NIXL agent the allocation's reply named
+        (the buffers are in its memory; "": whichever the endpoint has). Raises
+        PeerError when it did not complete."""
         ...
 
     async def write_groups(
@@ -99,6 +108,8 @@ class TransferChannel(Protocol):
         groups: Sequence[Sequence[Piece]],
         timeout_s: float,
         on_written: Callable[[int], None],
+        *,
+        agent: str = "",
     ) -> None:
         """write each group in order, back to back, calling on_written(i) on the event
         loop as soon as group i is complete (so its commit overlaps the next group's
@@ -122,20 +133,26 @@ def nixl_available() -> bool:
 
 
 def make_channel(
-    kind: str, name: str, regions: Sequence[tuple[int, int]] = (), *, curve: CurveKeys | None = None
+    kind: str,
+    name: str,
+    regions: Sequence[tuple[int, int]] = (),
+    *,
+    curve: CurveKeys | None = None,
+    idle_s: float = DEFAULT_IDLE_S,
 ) -> TransferChannel:
     """A channel by config value (auto|nixl|zmq). regions: (address, length) of the
     memory NIXL registers, the engine's L1 pool, served to peers and read into. curve:
-    the CurveKeys its connections to peers use (None: plain)."""
+    the CurveKeys its connections to peers use (None: plain). idle_s: a peer's
+    connection (and NIXL agent) unused this long is let go."""
     from kvmesh.common.transport.channel_zmq import ZmqChannel
 
     if kind == "zmq" or (kind == "auto" and not nixl_available()):
-        return ZmqChannel(PeerConnections(curve, max_frame=peer_frame_bound(regions)))
+        return ZmqChannel(PeerConnections(curve, peer_frame_bound(regions), idle_s))
     if kind not in ("auto", "nixl"):
         raise ValueError(f"unknown p2p channel {kind!r} (auto, nixl or zmq)")
     from kvmesh.common.transport.channel_nixl import NixlChannel
 
-    return NixlChannel(name, regions, curve=curve)
+    return NixlChannel(name, regions, curve=curve, idle_s=idle_s)
 
 
 def peer_frame_bound(regions: Sequence[tuple[int, int]]) -> int:

@@ -45,6 +45,7 @@ from kvmesh.common.transport.channel import (
 from kvmesh.common.transport.channel_zmq import ZmqChannel
 from kvmesh.common.transport.chunk_regions import layer_regions
 from kvmesh.common.transport.peer_conn import (
+    DEFAULT_IDLE_S,
     PeerConnection,
     PeerConnections,
     PeerError,
@@ -92,7 +93,12 @@ class NixlChannel:
     name = "nixl"
 
     def __init__(
-        self, name: str, regions: Sequence[tuple[int, int]], *, curve: CurveKeys | None = None
+        self,
+        name: str,
+        regions: Sequence[tuple[int, int]],
+        *,
+        curve: CurveKeys | None = None,
+        idle_s: float = DEFAULT_IDLE_S,
     ) -> None:
         self.agent_name = f"kvmesh-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.agent = _new_agent(self.agent_name)
@@ -100,23 +106,41 @@ class NixlChannel:
             self.agent.register_memory(self.agent.get_reg_descs([(a, n, 0, "")], "DRAM"))
             for a, n in regions
         ]
-        self._conns = PeerConnections(curve, max_frame=peer_frame_bound(regions))
+        self._conns = PeerConnections(
+            curve, peer_frame_bound(regions), idle_s, on_idle=self._idle_peer
+        )
         self._zmq = ZmqChannel(self._conns)
-        # Peer endpoint → its agent's name ("" = it speaks ZMQ only).
+        # Peer endpoint → its agent's name ("" = it speaks ZMQ only), as last hello'd.
         self._agents: dict[str, str] = {}
+        # Endpoints whose agent a failure put in doubt: hello'd again before next use.
+        self._doubted: set[str] = set()
+        # Agents with a transfer NIXL would not release: never removed (it may still
+        # copy, and NIXL would have to tear down what it copies with).
+        self._stuck: set[str] = set()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "kvmesh-nixl")
         # Runs the reader's on_landed while the next group of a read is copied.
         self._checker = concurrent.futures.ThreadPoolExecutor(1, "kvmesh-nixl-check")
         self._metadata: bytes = self.agent.get_agent_metadata()
+        self.retired = 0  # peers' agents unloaded after their process was replaced
 
     def hello_fields(self) -> tuple[str, bytes]:
         return self.agent_name, self._metadata
 
-    async def _peer_agent(self, endpoint: str, timeout_s: float) -> str:
+    async def _peer_agent(self, endpoint: str, timeout_s: float, want: str = "") -> str:
+        """The name of the agent serving endpoint, loaded (Hello once per connection).
+        want: the agent a reply of the peer's named (its addresses are in that agent's
+        memory): a different one known means the peer restarted behind the endpoint
+        (the connection reconnects by itself), so hello again; PeerError if even then
+        another agent answers."""
         conn = self._conns.get(endpoint)
-        # Same connection, same peer process; unless a failed WRITE forgot its agent.
-        if conn.hello is not None and endpoint in self._agents:
-            return self._agents[endpoint]
+        known = self._agents.get(endpoint)
+        if (
+            conn.hello is not None
+            and known is not None
+            and endpoint not in self._doubted
+            and (not want or want == known)
+        ):
+            return known
         msg = proto.Hello(conn.next_rid(), proto.PROTOCOL_VERSION, self.agent_name)
         hello = check_hello((await conn.request(msg, timeout_s))[0])
         name = ""
@@ -127,8 +151,43 @@ class NixlChannel:
             )
             name = added.decode() if isinstance(added, bytes) else str(added)
         conn.hello = hello
+        # Read again: another request may have hello'd (and retired the old) meanwhile.
+        before = self._agents.get(endpoint)
         self._agents[endpoint] = name
+        self._doubted.discard(endpoint)
+        if before and before != name:
+            self._retire(endpoint, before, "replaced")
+        if want and name != want:
+            raise PeerError(f"{endpoint} is served by agent {name!r} now, not {want!r}")
         return name
+
+    def _idle_peer(self, endpoint: str) -> None:
+        """Its connection was closed unused: a peer gone for good (a pod replaced under
+        another address) leaves no agent loaded; one still there is hello'd again."""
+        name = self._agents.pop(endpoint, None)
+        self._doubted.discard(endpoint)
+        if name:
+            self._retire(endpoint, name, "idle")
+
+    def _retire(self, endpoint: str, old: str, why: str) -> None:
+        """Unload a peer's agent: its process was replaced behind endpoint, or the
+        endpoint went unused (one per peer restart would stay loaded for good). On the
+        NIXL thread, after every transfer queued before; one queued after that names
+        it fails (NIXL_ERR_NOT_FOUND) as it would have against the dead process."""
+        if old in self._agents.values() or old in self._stuck:
+            return
+        log.info("NIXL peer agent unloaded", endpoint=endpoint, agent=old, why=why)
+        self.retired += 1
+        with contextlib.suppress(RuntimeError):  # the channel is closing: nothing to free
+            self._pool.submit(self._remove_agent, old)
+
+    def _remove_agent(self, name: str) -> None:
+        if self.agent is None or name in self._stuck:
+            return
+        try:
+            self.agent.remove_remote_agent(name)
+        except Exception as exc:  # a leak of one agent's metadata, nothing else
+            log.warning("NIXL remote agent not removed", agent=name, error=repr(exc))
 
     async def read(
         self,
@@ -149,7 +208,7 @@ class NixlChannel:
         hello again next time. A peer that refused one request (an ErrorReply) is
         alive and its connection kept, with the other requests waiting on it."""
         if exc.code is None and self._conns.drop(endpoint, exc.conn):
-            self._agents.pop(endpoint, None)
+            self._doubted.add(endpoint)
 
     async def call(
         self, endpoint: str, make: Callable[[int], proto.Request], timeout_s: float
@@ -163,8 +222,12 @@ class NixlChannel:
         layer: int,
         pieces: Sequence[Piece],
         timeout_s: float,
+        *,
+        agent: str = "",
     ) -> None:
-        await self.write_groups(endpoint, alloc_id, layer, [pieces], timeout_s, lambda _: None)
+        await self.write_groups(
+            endpoint, alloc_id, layer, [pieces], timeout_s, lambda _: None, agent=agent
+        )
 
     async def write_groups(
         self,
@@ -174,16 +237,19 @@ class NixlChannel:
         groups: Sequence[Sequence[Piece]],
         timeout_s: float,
         on_written: Callable[[int], None],
+        *,
+        agent: str = "",
     ) -> None:
         try:
-            await self._write_groups(endpoint, alloc_id, layer, groups, timeout_s, on_written)
+            await self._write_groups(
+                endpoint, alloc_id, layer, groups, timeout_s, on_written, agent
+            )
         except PeerError as exc:
-            # A decoder restarted behind the same endpoint (the connection reconnects by
-            # itself) has another agent: every WRITE to the one hello'd before would
-            # fail (NIXL_ERR_NOT_FOUND). The next push hellos again; the connection
-            # stays, with the other pushes waiting on it.
+            # A decoder that does not name its agent in its allocations (an older
+            # version) may have restarted behind the endpoint: the next push hellos
+            # again. The connection stays, with the other pushes waiting on it.
             if exc.code is None:
-                self._agents.pop(endpoint, None)
+                self._doubted.add(endpoint)
             raise
 
     async def _write_groups(
@@ -194,9 +260,10 @@ class NixlChannel:
         groups: Sequence[Sequence[Piece]],
         timeout_s: float,
         on_written: Callable[[int], None],
+        agent: str,
     ) -> None:
         deadline = time.monotonic() + timeout_s
-        peer = await self._peer_agent(endpoint, timeout_s)
+        peer = await self._peer_agent(endpoint, timeout_s, agent)
         if not peer:
             await self._zmq.write_groups(
                 endpoint, alloc_id, layer, groups, deadline - time.monotonic(), on_written
@@ -267,6 +334,10 @@ class NixlChannel:
         landed: list[Landed] = []
         job: asyncio.Future[None] | None = None
         try:
+            if reply.agent and reply.agent != peer:
+                # Restarted since our hello: its pages are in another agent's memory.
+                left = max(deadline - time.monotonic(), 1e-3)
+                peer = await self._peer_agent(endpoint, left, reply.agent)
             for meta in reply.chunks:
                 obj = alloc(meta)
                 if obj is None:
@@ -396,6 +467,7 @@ class NixlChannel:
         except Exception as exc:
             # Still running: the landing buffers may yet be written, so they are
             # never handed back to the pool (a leak, not wrong KV).
+            self._stuck.add(peer)
             log.error("NIXL transfer could not be released", peer=peer, error=repr(exc))
             raise StuckTransfer(f"NIXL {op} with {peer} stuck: {exc!r}") from None
 

@@ -104,6 +104,8 @@ class ZmqChannel:
         layer: int,
         pieces: Sequence[Piece],
         timeout_s: float,
+        *,
+        agent: str = "",  # NIXL's; the ZMQ connection reaches whoever allocated
     ) -> None:
         spans = [(obj, layer_regions(obj, layer)) for _, obj, _ in pieces]
         gathered = sum(n for _, regions in spans if len(regions) > 1 for _, n in regions)
@@ -128,6 +130,8 @@ class ZmqChannel:
         groups: Sequence[Sequence[Piece]],
         timeout_s: float,
         on_written: Callable[[int], None],
+        *,
+        agent: str = "",
     ) -> None:
         deadline = time.monotonic() + timeout_s
         for i, group in enumerate(groups):

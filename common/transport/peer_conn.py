@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
@@ -19,6 +20,12 @@ import zmq.asyncio
 
 from kvmesh.common.protocol import p2p as proto
 from kvmesh.common.transport.curve import CurveKeys, apply_client
+
+# Peers' connections unused this long are closed: a peer gone for good (a pod replaced
+# under a new address) is otherwise redialled ten times a second (ZMQ's reconnect
+# interval, kept short so that a peer restarted behind its address is back at once) for
+# as long as its socket lives.
+DEFAULT_IDLE_S = 300.0
 
 
 class PeerError(RuntimeError):
@@ -64,6 +71,11 @@ class PeerConnection:
         self.broken = False
         # What Hello told us (filled by the channel that asked).
         self.hello: proto.HelloReply | None = None
+        self.last_used = time.monotonic()
+
+    def idle_since(self, before: float) -> bool:
+        """Unused since `before` (monotonic), with no request waiting on a reply."""
+        return self.last_used < before and not self._pending
 
     def next_rid(self) -> int:
         return next(self._rids)
@@ -80,6 +92,7 @@ class PeerConnection:
             raise PeerError(f"connection to {self.endpoint} is broken", conn=self)
         if self._rx is None:
             self._rx = asyncio.create_task(self._receive())
+        self.last_used = time.monotonic()
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._pending[msg.rid] = fut
         try:
@@ -111,6 +124,7 @@ class PeerConnection:
 
     def send_nowait(self, msg: proto.Request) -> None:
         """Fire and forget (a lease release: the peer expires it anyway)."""
+        self.last_used = time.monotonic()
         if not self.broken:
             with contextlib.suppress(zmq.ZMQError):
                 fut = self._sock.send(proto.encode(msg), flags=zmq.NOBLOCK)
@@ -149,16 +163,31 @@ class PeerConnection:
 
 
 class PeerConnections:
-    """One live connection per endpoint; broken ones are replaced on next use."""
+    """One live connection per endpoint; broken ones are replaced on next use, idle ones
+    closed (checked at most every idle_s / 4, when a connection is asked for)."""
 
-    def __init__(self, curve: CurveKeys | None = None, max_frame: int = -1) -> None:
-        """max_frame: the largest frame a peer may send (-1: any)."""
+    def __init__(
+        self,
+        curve: CurveKeys | None = None,
+        max_frame: int = -1,
+        idle_s: float = DEFAULT_IDLE_S,
+        on_idle: Callable[[str], None] | None = None,
+    ) -> None:
+        """max_frame: the largest frame a peer may send (-1: any). on_idle(endpoint):
+        called after an idle connection was closed (the owner forgets that peer)."""
         self.curve = curve
         self.max_frame = max_frame
+        self.idle_s = idle_s
+        self.on_idle = on_idle
         self._ctx: zmq.asyncio.Context | None = None
         self._conns: dict[str, PeerConnection] = {}
+        self._next_sweep = time.monotonic() + idle_s / 4
 
     def get(self, endpoint: str) -> PeerConnection:
+        now = time.monotonic()
+        if now >= self._next_sweep:
+            self._next_sweep = now + self.idle_s / 4
+            self._close_idle(now - self.idle_s, endpoint)
         conn = self._conns.get(endpoint)
         if conn is None or conn.broken:
             if conn is not None:
@@ -169,6 +198,13 @@ class PeerConnections:
                 self._ctx, endpoint, self.curve, self.max_frame
             )
         return conn
+
+    def _close_idle(self, before: float, keep: str) -> None:
+        idle = [ep for ep, c in self._conns.items() if ep != keep and c.idle_since(before)]
+        for endpoint in idle:
+            self._conns.pop(endpoint).close()
+            if self.on_idle is not None:
+                self.on_idle(endpoint)
 
     def drop(self, endpoint: str, failed: PeerConnection | None = None) -> bool:
         """Close endpoint's connection (only if it is `failed`, when given: a newer one

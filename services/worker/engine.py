@@ -256,7 +256,11 @@ class KVEngine:
         buf = self.pool.buffer
         name = f"{self.instance_id}-{self.rank}"
         channel = make_channel(
-            self.config.p2p.channel, name, [(buf.data_ptr(), buf.numel())], curve=self.curve
+            self.config.p2p.channel,
+            name,
+            [(buf.data_ptr(), buf.numel())],
+            curve=self.curve,
+            idle_s=self.config.p2p.peer_idle_s,
         )
 
         def close() -> None:

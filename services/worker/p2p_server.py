@@ -269,7 +269,8 @@ class P2PServer:
 
     async def _pin(self, msg: proto.PinChunks) -> proto.Reply:
         self._requests["pin"].inc()
-        if not self.channel.hello_fields()[0]:
+        agent = self.channel.hello_fields()[0]
+        if not agent:
             return proto.error_reply(msg.rid, proto.ErrorCode.NO_NIXL, "this peer serves ZMQ only")
         held = await self._held(msg.keys, msg.deadline)
         # Random, not counted: a ReleaseChunks meant for a lease of a server before a
@@ -279,7 +280,7 @@ class P2PServer:
             self._leases[lease] = ([obj for _, obj in held], time.monotonic() + self.lease_s)
             self._leased.set(len(self._leases))
         metas = [_meta(key, obj, obj.data_ptr) for key, obj in held]
-        return proto.PinChunksReply(msg.rid, lease, metas)
+        return proto.PinChunksReply(msg.rid, lease, metas, agent)
 
     async def _pd(self, msg: proto.Request, payloads: Sequence[bytes | memoryview]) -> proto.Reply:
         """Disaggregated prefill messages, for the engine's PD receiver."""
@@ -290,7 +291,7 @@ class P2PServer:
             )
         self._requests["pd"].inc()
         if isinstance(msg, proto.AllocChunks):
-            return receiver.alloc(msg)
+            return receiver.alloc(msg, self.channel.hello_fields()[0])
         if isinstance(msg, proto.PushChunks):
             return await receiver.push(msg, payloads)
         if isinstance(msg, proto.CommitChunks):

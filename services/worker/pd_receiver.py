@@ -119,16 +119,18 @@ class PdReceiver:
         self._gauges()
 
     # -- requests (on the engine loop) ----------------------------------------------------
-    def alloc(self, msg: proto.AllocChunks) -> proto.AllocChunksReply:
+    def alloc(self, msg: proto.AllocChunks, agent: str = "") -> proto.AllocChunksReply:
+        """Receive buffers for msg's chunks, or PdRefused. agent: this engine's NIXL
+        agent, named in the reply ("" for ZMQ)."""
         try:
-            reply = self._alloc(msg)
+            reply = self._alloc(msg, agent)
         except PdRefused:
             self._allocs["refused"].inc()
             raise
         self._allocs["ok"].inc()
         return reply
 
-    def _alloc(self, msg: proto.AllocChunks) -> proto.AllocChunksReply:
+    def _alloc(self, msg: proto.AllocChunks, agent: str) -> proto.AllocChunksReply:
         e = self.engine
         if not msg.keys:
             raise PdRefused(proto.ErrorCode.BAD_MESSAGE, "no keys")
@@ -209,7 +211,7 @@ class PdReceiver:
             proto.Slot(0, 0, True) if o is None else proto.Slot(o.data_ptr, o.nbytes, False)
             for o in inbound.objs
         ]
-        return proto.AllocChunksReply(msg.rid, alloc_id, slots)
+        return proto.AllocChunksReply(msg.rid, alloc_id, slots, agent)
 
     async def push(self, msg: proto.PushChunks, payloads: Sequence[memoryview]) -> proto.Reply:
         """Write frames sent over ZMQ (the NIXL channel writes without asking). Every

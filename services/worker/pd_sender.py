@@ -173,7 +173,12 @@ class _Push:
                 if layer not in (last_layer, WHOLE):
                     if pieces:
                         await ch.write(
-                            self.target.endpoint, reply.alloc_id, layer, pieces, self._left()
+                            self.target.endpoint,
+                            reply.alloc_id,
+                            layer,
+                            pieces,
+                            self._left(),
+                            agent=reply.agent,
                         )
                     continue
                 # Every byte is in place: write the rest in groups, back to back, each
@@ -195,7 +200,13 @@ class _Push:
                         )
 
                 await ch.write_groups(
-                    self.target.endpoint, reply.alloc_id, layer, groups, self._left(), written
+                    self.target.endpoint,
+                    reply.alloc_id,
+                    layer,
+                    groups,
+                    self._left(),
+                    written,
+                    agent=reply.agent,
                 )
             if not pieces:  # the decoder had every chunk: commit holds them for us
                 commits.append(asyncio.create_task(self._commit(reply.alloc_id, [])))

@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-from kvtest.service_process import KvtestProcess
+from kvtest.service_process import KvtestProcess, free_port
 
 from kvmesh.common.protocol import p2p as proto
 
@@ -145,6 +145,62 @@ def test_killed_peer_is_a_miss_within_the_deadline(nodes, channel: str) -> None:
     assert got["misses"]["timeout"] == got["gets"]["error"], got["misses"]
     # lookup (locator: instant) + one read bounded by timeout_s = 0.5, plus slack.
     assert time.monotonic() - t0 < 2.5
+
+
+@pytest.mark.parametrize("channel", ["nixl", "zmq"])
+def test_a_peer_restarted_behind_its_endpoint_is_read_from_at_the_first_try(
+    nodes, channel: str
+) -> None:
+    """Killed while idle, so no read failed: the reader's connection reconnects by
+    itself to the new process. Its pin reply names its NIXL agent, so the reader hellos
+    it before the READ (not into the dead agent, a miss) and unloads the old one."""
+    port = free_port()
+    (a,) = nodes({"name": "a", "seed": 1, "channel": channel, "port": port})
+    (b,) = nodes({"name": "b", "channel": channel})
+    keys = a(op="store", seed=1, n=32)["keys"]
+    b(op="locate", keys=keys, endpoint=a.endpoint)
+    assert b(op="retrieve", seed=1, n=32)["loaded"] == 32  # hello'd, agent loaded
+    if channel == "nixl":
+        assert b(op="agent_loaded", agent=a.info["agent"])["loaded"] is True
+    b(op="clear")
+    a.kill()
+    (a2,) = nodes({"name": "a2", "seed": 1, "channel": channel, "port": port})
+    assert a2.endpoint == a.endpoint
+    stored = a2(op="store", seed=1, n=32)
+    assert stored["keys"] == keys
+    got = b(op="retrieve", seed=1, n=32)
+    assert got["loaded"] == 32 and got["kv"] == stored["kv"], got["misses"]
+    assert got["gets"]["error"] == 0, got["misses"]
+    assert got["agents_retired"] == (1 if channel == "nixl" else 0)
+    if channel == "nixl":  # the dead process's agent is unloaded, the new one is not
+        assert b(op="agent_loaded", agent=a.info["agent"])["loaded"] is False
+        assert b(op="agent_loaded", agent=a2.info["agent"])["loaded"] is True
+
+
+def test_a_peer_unused_for_peer_idle_s_is_let_go_and_greeted_again_at_next_use(nodes) -> None:
+    """Peers come and go under new addresses (pods replaced): the connection and NIXL
+    agent of one unused for `peer_idle_s` are let go, so they do not pile up; reading
+    from it again later hellos it afresh."""
+    a, c = nodes(
+        {"name": "a", "seed": 1, "channel": "nixl"}, {"name": "c", "seed": 2, "channel": "nixl"}
+    )
+    (b,) = nodes({"name": "b", "channel": "nixl", "peer_idle_s": 0.5})
+    from_a = a(op="store", seed=1, n=32)
+    from_c = c(op="store", seed=2, n=32)
+    b(op="locate", keys=from_a["keys"], endpoint=a.endpoint)
+    b(op="locate", keys=from_c["keys"], endpoint=c.endpoint)
+    assert b(op="retrieve", seed=1, n=32)["loaded"] == 32
+    assert b(op="agent_loaded", agent=a.info["agent"])["loaded"] is True
+    time.sleep(1.0)
+    got = b(op="retrieve", seed=2, n=32)  # using another peer is when idle ones go
+    assert got["loaded"] == 32 and got["agents_retired"] == 1
+    assert b(op="agent_loaded", agent=a.info["agent"])["loaded"] is False
+    assert b(op="agent_loaded", agent=c.info["agent"])["loaded"] is True
+    b(op="clear")
+    again = b(op="retrieve", seed=1, n=32)
+    assert again["loaded"] == 32 and again["kv"] == from_a["kv"]
+    assert again["gets"]["error"] == 0, again["misses"]
+    assert b(op="agent_loaded", agent=a.info["agent"])["loaded"] is True
 
 
 @pytest.mark.parametrize("channel", ["nixl", "zmq"])

@@ -99,6 +99,8 @@ class Node:
             cfg.get("channel", "zmq"),
             cfg.get("host", "127.0.0.1"),
             timeout_s=cfg.get("timeout_s", 1.0),
+            port=cfg.get("port", 0),
+            peer_idle_s=cfg.get("peer_idle_s", 300.0),
         )
         self.engine = KVEngine(cfg.get("name", "node"), 0, config, self.cache)
         self.locator = FixedLocator()
@@ -108,11 +110,17 @@ class Node:
         op = cmd["op"]
         e = self.engine
         if op == "info":
+            channel = e.storage.tier("p2p").channel
             return {
                 "endpoint": e.p2p_endpoint,
-                "channel": e.storage.tier("p2p").channel.name,
+                "channel": channel.name,
+                "agent": channel.hello_fields()[0],
                 "tiers": [t.name for t in e.storage.tiers],
             }
+        if op == "agent_loaded":  # is the named peer agent's metadata loaded here?
+            channel = e.storage.tier("p2p").channel
+            check = channel.agent.check_remote_metadata
+            return {"loaded": channel._pool.submit(check, cmd["agent"]).result(5)}
         if op == "store":
             tokens = prompt(cmd["seed"], cmd["n"])
             slots = torch.arange(cmd["n"])
@@ -136,6 +144,8 @@ class Node:
                 "seconds": took,
                 "kv": slot_bytes(self.cache, slots[: int(loaded.sum())]).hex(),
                 "p2p_tokens": m.value("tokens_hit_total", {"tier": "p2p"}),
+                # Peers' NIXL agents unloaded after the peer restarted (NIXL only).
+                "agents_retired": getattr(e.storage.tier("p2p").channel, "retired", 0),
                 "gets": {
                     r: m.value("p2p_gets_total", {"result": r})
                     for r in ("hit", "error", "corrupt", "miss")

@@ -144,7 +144,7 @@ def test_a_cancelled_write_ends_with_its_group_in_flight_and_reports_none(
         if stuck:
             raise channel_nixl.StuckTransfer("NIXL WRITE stuck")
 
-    async def peer_agent(self, endpoint, timeout_s) -> str:
+    async def peer_agent(self, endpoint, timeout_s, want="") -> str:
         return "peer"
 
     monkeypatch.setattr(NixlChannel, "_transfer", transfer)

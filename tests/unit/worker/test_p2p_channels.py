@@ -131,6 +131,48 @@ def test_dropping_a_failed_connection_leaves_a_newer_one() -> None:
     asyncio.run(_with_peer(silent, body))
 
 
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_idle_connections_are_closed_and_busy_ones_kept() -> None:
+    """A peer that went away for good (its address never asked for again) must not keep
+    a socket redialling it for the life of the process: a connection unused for idle_s
+    is closed, and its owner told, at the next get(); one awaiting a reply, and the one
+    asked for, stay."""
+    closed: list[str] = []
+
+    async def silent(msg: proto.Request) -> None:
+        return None
+
+    async def body(endpoint: str) -> None:
+        gone, other = (f"tcp://127.0.0.1:{port}" for port in _free_ports(2))  # no one there
+        conns = PeerConnections(idle_s=0.4, on_idle=closed.append)
+        dead = conns.get(gone)
+        busy = conns.get(endpoint)
+        pending = asyncio.create_task(busy.request(proto.Hello(busy.next_rid(), 1), 5.0))
+        await asyncio.sleep(0.6)
+        assert conns.get(gone) is dead  # the endpoint asked for is never the one closed
+        assert closed == []
+        await asyncio.sleep(0.6)
+        conns.get(other)  # any other endpoint: get() is when idle ones are closed
+        assert closed == [gone] and dead.broken
+        assert conns.get(endpoint) is busy and not busy.broken  # a reply is awaited
+        fresh = conns.get(gone)  # asked again: a new connection
+        assert fresh is not dead and not fresh.broken
+        pending.cancel()
+        conns.close()
+
+    asyncio.run(_with_peer(silent, body))
+
+
 def test_requests_failed_by_a_timeout_leave_no_unread_error() -> None:
     """A timeout fails every pending reply future, its own and those of requests still
     sending (with no peer to take them, IMMEDIATE, sends wait). Each request ends with
