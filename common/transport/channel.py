@@ -92,12 +92,12 @@ class TransferChannel(Protocol):
         pieces: Sequence[Piece],
         timeout_s: float,
         *,
-        agent: str = "",
+        agent: str | None = None,
     ) -> None:
         """Write layer (-1: all) of each piece's chunk into the receive buffers of a
         PD allocation at the peer. agent: the NIXL agent the allocation's reply named
-        (the buffers are in its memory; "": whichever the endpoint has). Raises
-        PeerError when it did not complete."""
+        (the buffers are in its memory; "": the reply named none; None: no reply to go
+        by). Raises PeerError when it did not complete."""
         ...
 
     async def write_groups(
@@ -109,7 +109,7 @@ class TransferChannel(Protocol):
         timeout_s: float,
         on_written: Callable[[int], None],
         *,
-        agent: str = "",
+        agent: str | None = None,
     ) -> None:
         """write each group in order, back to back, calling on_written(i) on the event
         loop as soon as group i is complete (so its commit overlaps the next group's

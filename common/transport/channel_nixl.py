@@ -121,26 +121,40 @@ class NixlChannel:
         # Runs the reader's on_landed while the next group of a read is copied.
         self._checker = concurrent.futures.ThreadPoolExecutor(1, "kvmesh-nixl-check")
         self._metadata: bytes = self.agent.get_agent_metadata()
-        self.retired = 0  # peers' agents unloaded after their process was replaced
+        self.retired = 0  # peers' agents unloaded (replaced or idle): a count of removals queued
 
     def hello_fields(self) -> tuple[str, bytes]:
         return self.agent_name, self._metadata
 
-    async def _peer_agent(self, endpoint: str, timeout_s: float, want: str = "") -> str:
+    async def _peer_agent(self, endpoint: str, timeout_s: float, want: str | None = None) -> str:
         """The name of the agent serving endpoint, loaded (Hello once per connection).
-        want: the agent a reply of the peer's named (its addresses are in that agent's
-        memory): a different one known means the peer restarted behind the endpoint
-        (the connection reconnects by itself), so hello again; PeerError if even then
-        another agent answers."""
+        want: the agent a reply of the peer's named, its addresses being in that
+        agent's memory (None: no reply yet). Another one known means the peer restarted
+        behind the endpoint (the connection reconnects by itself): Hello again, and
+        AgentChanged if even then another agent answers. A reply naming none (a peer
+        serving ZMQ only, or one older than the field) where an agent is known is
+        checked by a Hello too, and trusted only if that agent or none answers (at the
+        first contact, whichever answers: as before the field existed)."""
         conn = self._conns.get(endpoint)
         known = self._agents.get(endpoint)
         if (
             conn.hello is not None
             and known is not None
             and endpoint not in self._doubted
-            and (not want or want == known)
+            and (want is None or want == known)
         ):
             return known
+        # Shielded: a cancel here must not leave an agent loaded and never recorded
+        # (it would never be unloaded).
+        hello = asyncio.ensure_future(self._hello(conn, endpoint, timeout_s))
+        hello.add_done_callback(lambda t: t.cancelled() or t.exception())  # read if orphaned
+        name = await asyncio.shield(hello)
+        unnamed_ok = want == "" and (not name or known is None or name == known)
+        if want is not None and name != want and not unnamed_ok:
+            raise AgentChanged(f"{endpoint} is served by agent {name!r} now, not {want!r}")
+        return name
+
+    async def _hello(self, conn: PeerConnection, endpoint: str, timeout_s: float) -> str:
         msg = proto.Hello(conn.next_rid(), proto.PROTOCOL_VERSION, self.agent_name)
         hello = check_hello((await conn.request(msg, timeout_s))[0])
         name = ""
@@ -151,14 +165,12 @@ class NixlChannel:
             )
             name = added.decode() if isinstance(added, bytes) else str(added)
         conn.hello = hello
-        # Read again: another request may have hello'd (and retired the old) meanwhile.
+        # Read now: another request may have hello'd (and retired the old) meanwhile.
         before = self._agents.get(endpoint)
         self._agents[endpoint] = name
         self._doubted.discard(endpoint)
         if before and before != name:
             self._retire(endpoint, before, "replaced")
-        if want and name != want:
-            raise PeerError(f"{endpoint} is served by agent {name!r} now, not {want!r}")
         return name
 
     def _idle_peer(self, endpoint: str) -> None:
@@ -207,6 +219,8 @@ class NixlChannel:
         """After a failure: the peer may have restarted behind the same endpoint, so
         hello again next time. A peer that refused one request (an ErrorReply) is
         alive and its connection kept, with the other requests waiting on it."""
+        if isinstance(exc, AgentChanged):  # the connection is fine, the agent known
+            return
         if exc.code is None and self._conns.drop(endpoint, exc.conn):
             self._doubted.add(endpoint)
 
@@ -223,7 +237,7 @@ class NixlChannel:
         pieces: Sequence[Piece],
         timeout_s: float,
         *,
-        agent: str = "",
+        agent: str | None = None,
     ) -> None:
         await self.write_groups(
             endpoint, alloc_id, layer, [pieces], timeout_s, lambda _: None, agent=agent
@@ -238,7 +252,7 @@ class NixlChannel:
         timeout_s: float,
         on_written: Callable[[int], None],
         *,
-        agent: str = "",
+        agent: str | None = None,
     ) -> None:
         try:
             await self._write_groups(
@@ -248,7 +262,7 @@ class NixlChannel:
             # A decoder that does not name its agent in its allocations (an older
             # version) may have restarted behind the endpoint: the next push hellos
             # again. The connection stays, with the other pushes waiting on it.
-            if exc.code is None:
+            if exc.code is None and not isinstance(exc, AgentChanged):
                 self._doubted.add(endpoint)
             raise
 
@@ -260,7 +274,7 @@ class NixlChannel:
         groups: Sequence[Sequence[Piece]],
         timeout_s: float,
         on_written: Callable[[int], None],
-        agent: str,
+        agent: str | None,
     ) -> None:
         deadline = time.monotonic() + timeout_s
         peer = await self._peer_agent(endpoint, timeout_s, agent)
@@ -488,6 +502,11 @@ class NixlChannel:
             except Exception as exc:
                 log.warning("NIXL deregister failed", error=repr(exc))
         self._regs = []
+
+
+class AgentChanged(PeerError):
+    """The endpoint answers as another agent than the one whose addresses a reply gave:
+    nothing is transferred. The connection is sound and the new agent known."""
 
 
 def _let_go(

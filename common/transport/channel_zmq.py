@@ -105,7 +105,7 @@ class ZmqChannel:
         pieces: Sequence[Piece],
         timeout_s: float,
         *,
-        agent: str = "",  # NIXL's; the ZMQ connection reaches whoever allocated
+        agent: str | None = None,  # NIXL's; a restarted decoder refuses the unknown alloc_id
     ) -> None:
         spans = [(obj, layer_regions(obj, layer)) for _, obj, _ in pieces]
         gathered = sum(n for _, regions in spans if len(regions) > 1 for _, n in regions)
@@ -131,7 +131,7 @@ class ZmqChannel:
         timeout_s: float,
         on_written: Callable[[int], None],
         *,
-        agent: str = "",
+        agent: str | None = None,
     ) -> None:
         deadline = time.monotonic() + timeout_s
         for i, group in enumerate(groups):

@@ -227,19 +227,21 @@ def test_a_transfer_pushed_twice_is_held_once_and_dropped_once(nodes) -> None:
     assert_clean(d)
 
 
-@pytest.mark.parametrize("channel", CHANNELS)
-def test_decoder_restarted_between_pushes_is_pushed_to_again(nodes, channel: str) -> None:
+@pytest.mark.parametrize(("channel", "then"), [("zmq", "zmq"), ("nixl", "nixl"), ("nixl", "zmq")])
+def test_decoder_restarted_between_pushes_is_pushed_to_again(
+    nodes, channel: str, then: str
+) -> None:
     """Killed while idle, so no request to it failed: the prefiller's connection
     reconnects by itself, and what it knew of the old process (its NIXL agent) must
-    not outlive it: the decoder's allocation names its agent, so the prefiller hellos
-    the new process before its first WRITE instead of failing it, and unloads the old
-    agent."""
+    not outlive it: the decoder's allocation names its agent (none when it comes back
+    serving ZMQ only), so the prefiller hellos the new process before its first WRITE
+    instead of failing it, and unloads the old agent."""
     port = free_port()
     p = nodes("pre", "sender", channel)
     d = nodes("dec", "receiver", channel, port=port)
     assert_push_works(p, d, 1, "t-before")
     d.kill()
-    d2 = nodes("dec2", "receiver", channel, port=port)
+    d2 = nodes("dec2", "receiver", then, port=port)
     outcomes = []
     for i in range(4):
         push(p, d2, 10 + i, f"t-after-{i}")

@@ -144,7 +144,7 @@ class Node:
                 "seconds": took,
                 "kv": slot_bytes(self.cache, slots[: int(loaded.sum())]).hex(),
                 "p2p_tokens": m.value("tokens_hit_total", {"tier": "p2p"}),
-                # Peers' NIXL agents unloaded after the peer restarted (NIXL only).
+                # Peers' NIXL agents unloaded, replaced or idle (NIXL only).
                 "agents_retired": getattr(e.storage.tier("p2p").channel, "retired", 0),
                 "gets": {
                     r: m.value("p2p_gets_total", {"result": r})

@@ -146,7 +146,7 @@ class PdNode:
             }
         if e.pd_sender is not None:
             out["push_inflight"] = e.pd_sender.inflight
-            # The NIXL channel's count of decoders' agents unloaded after a restart.
+            # The NIXL channel's count of decoders' agents unloaded (replaced or idle).
             out["agents_retired"] = getattr(e.pd_sender.channel, "retired", 0)
             out["pushes"] = {
                 o: m.value("pd_pushes_total", {"outcome": o}) for o in ("ok", "refused", "failed")

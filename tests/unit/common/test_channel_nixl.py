@@ -175,3 +175,119 @@ def test_a_cancelled_write_ends_with_its_group_in_flight_and_reports_none(
     finally:
         obj.ref_down()
         ch._pool.shutdown(wait=True)
+
+
+# -- a peer restarted behind its endpoint ----------------------------------------------
+
+
+class _Endpoint:
+    """A ROUTER answering Hello as whichever process `serving` is (a NixlChannel, or
+    None for a process that serves ZMQ only): the endpoint a restarted peer took over."""
+
+    def __init__(self) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.linger = 0
+        self.url = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.serving: NixlChannel | None = None
+        self.hellos = 0
+
+    async def serve(self) -> None:
+        from kvmesh.common.protocol import p2p as proto
+
+        while True:
+            ident, frame = await self.sock.recv_multipart()
+            msg = proto.decode_request([frame])
+            assert isinstance(msg, proto.Hello), msg  # nothing else reaches the peer here
+            self.hellos += 1
+            agent, md = self.serving.hello_fields() if self.serving else ("", b"")
+            reply = proto.HelloReply(msg.rid, proto.PROTOCOL_VERSION, "i", 0, agent, md)
+            await self.sock.send_multipart([ident, proto.encode(reply)])
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def _run_against_restarts(pools, body) -> None:
+    """body(reader, (X, Y), endpoint, loaded) with two real peer agents X and Y."""
+    import asyncio
+
+    a, b = pools
+    reader = _channel("rd", a)
+    peers = [_channel(n, b) for n in ("x", "y")]  # both over b: only hello'd, never read
+
+    async def main() -> None:
+        ep = _Endpoint()
+        server = asyncio.create_task(ep.serve())
+
+        def loaded(peer: NixlChannel) -> bool:
+            check = reader.agent.check_remote_metadata
+            return reader._pool.submit(check, peer.agent_name).result(5)
+
+        try:
+            await body(reader, peers, ep, loaded)
+        finally:
+            server.cancel()
+            ep.close()
+            for ch in (reader, *peers):
+                await ch.aclose()
+
+    asyncio.run(main())
+
+
+@pytest.mark.skipif(not nixl_available(), reason="nixl_cu13 is not installed")
+def test_a_reply_naming_another_agent_is_hello_d_again_and_a_third_is_refused(pools) -> None:
+    """The peer's reply names Y where X was hello'd: Hello again, unload X. An allocation
+    X made, written once Y answers the endpoint: refused (AgentChanged) before any byte
+    moves, and the sound connection is kept."""
+
+    async def body(reader, peers, ep, loaded) -> None:
+        x, y = peers
+        ep.serving = x
+        assert await reader._peer_agent(ep.url, 2.0) == x.agent_name
+        assert await reader._peer_agent(ep.url, 2.0, x.agent_name) == x.agent_name
+        assert ep.hellos == 1  # known and named: no Hello
+        ep.serving = y  # restarted
+        assert await reader._peer_agent(ep.url, 2.0, y.agent_name) == y.agent_name
+        assert ep.hellos == 2 and reader.retired == 1
+        assert not loaded(x) and loaded(y)
+        conn = reader._conns.get(ep.url)
+        obj = pools[0].allocate((CHUNK,), torch.uint8, MemoryFormat.KV_2LTD)
+        try:
+            with pytest.raises(channel_nixl.AgentChanged, match="served by agent"):
+                await reader.write(ep.url, 1, -1, [(0, obj, 0)], 2.0, agent=x.agent_name)
+        finally:
+            obj.ref_down()
+        assert reader._conns.get(ep.url) is conn and ep.url not in reader._doubted
+        assert reader._agents[ep.url] == y.agent_name
+
+    _run_against_restarts(pools, body)
+
+
+@pytest.mark.skipif(not nixl_available(), reason="nixl_cu13 is not installed")
+def test_an_allocation_naming_no_agent_is_trusted_only_if_the_endpoint_s_agent_is_unchanged(
+    pools,
+) -> None:
+    """A decoder older than the field (or one serving ZMQ only) names no agent. Where an
+    agent is known, a Hello checks first: the same agent, or none (write over ZMQ), is
+    trusted; another is refused, since which process allocated cannot be told."""
+
+    async def body(reader, peers, ep, loaded) -> None:
+        x, y = peers
+        ep.serving = x
+        assert await reader._peer_agent(ep.url, 2.0, "") == x.agent_name  # first contact
+        assert await reader._peer_agent(ep.url, 2.0, "") == x.agent_name
+        assert ep.hellos == 2  # checked, not assumed
+        ep.serving = y
+        with pytest.raises(channel_nixl.AgentChanged):
+            await reader._peer_agent(ep.url, 2.0, "")
+        assert reader._agents[ep.url] == y.agent_name and not loaded(x)
+        ep.serving = None  # back as a ZMQ-only decoder
+        assert await reader._peer_agent(ep.url, 2.0, "") == ""
+        assert not loaded(y) and reader.retired == 2
+
+    _run_against_restarts(pools, body)
