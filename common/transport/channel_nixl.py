@@ -114,6 +114,9 @@ class NixlChannel:
         self._agents: dict[str, str] = {}
         # Endpoints whose agent a failure put in doubt: hello'd again before next use.
         self._doubted: set[str] = set()
+        # The Hello in flight to each endpoint: requests that find the peer restarted
+        # together (every read and push after a restart) share one.
+        self._hellos: dict[str, asyncio.Future[str]] = {}
         # Agents with a transfer NIXL would not release: never removed (it may still
         # copy, and NIXL would have to tear down what it copies with).
         self._stuck: set[str] = set()
@@ -144,15 +147,29 @@ class NixlChannel:
             and (want is None or want == known)
         ):
             return known
-        # Shielded: a cancel here must not leave an agent loaded and never recorded
-        # (it would never be unloaded).
-        hello = asyncio.ensure_future(self._hello(conn, endpoint, timeout_s))
-        hello.add_done_callback(lambda t: t.cancelled() or t.exception())  # read if orphaned
-        name = await asyncio.shield(hello)
+        hello = self._hellos.get(endpoint)
+        if hello is None:
+            hello = self._hellos[endpoint] = asyncio.ensure_future(
+                self._hello(conn, endpoint, timeout_s)
+            )
+            hello.add_done_callback(lambda t: self._hello_done(endpoint, t))
+        # Shielded: a cancel here must not leave an agent loaded and never recorded (it
+        # would never be unloaded), nor fail the others waiting on the same Hello.
+        try:
+            async with asyncio.timeout(timeout_s):
+                name = await asyncio.shield(hello)
+        except TimeoutError:  # a Hello begun with a longer deadline than ours
+            raise PeerError(f"{endpoint} did not answer Hello within {timeout_s:.3f}s") from None
         unnamed_ok = want == "" and (not name or known is None or name == known)
         if want is not None and name != want and not unnamed_ok:
             raise AgentChanged(f"{endpoint} is served by agent {name!r} now, not {want!r}")
         return name
+
+    def _hello_done(self, endpoint: str, hello: asyncio.Future[str]) -> None:
+        if self._hellos.get(endpoint) is hello:
+            del self._hellos[endpoint]
+        if not hello.cancelled():
+            hello.exception()  # read: it may have no waiter left
 
     async def _hello(self, conn: PeerConnection, endpoint: str, timeout_s: float) -> str:
         msg = proto.Hello(conn.next_rid(), proto.PROTOCOL_VERSION, self.agent_name)

@@ -241,9 +241,12 @@ def _run_against_restarts(pools, body) -> None:
 
 @pytest.mark.skipif(not nixl_available(), reason="nixl_cu13 is not installed")
 def test_a_reply_naming_another_agent_is_hello_d_again_and_a_third_is_refused(pools) -> None:
-    """The peer's reply names Y where X was hello'd: Hello again, unload X. An allocation
+    """The peer's reply names Y where X was hello'd: Hello again (once for every request
+    that finds out together), unload X. An allocation
     X made, written once Y answers the endpoint: refused (AgentChanged) before any byte
     moves, and the sound connection is kept."""
+
+    import asyncio
 
     async def body(reader, peers, ep, loaded) -> None:
         x, y = peers
@@ -251,9 +254,10 @@ def test_a_reply_naming_another_agent_is_hello_d_again_and_a_third_is_refused(po
         assert await reader._peer_agent(ep.url, 2.0) == x.agent_name
         assert await reader._peer_agent(ep.url, 2.0, x.agent_name) == x.agent_name
         assert ep.hellos == 1  # known and named: no Hello
-        ep.serving = y  # restarted
-        assert await reader._peer_agent(ep.url, 2.0, y.agent_name) == y.agent_name
-        assert ep.hellos == 2 and reader.retired == 1
+        ep.serving = y  # restarted: every request in flight finds out at once
+        asked = [reader._peer_agent(ep.url, 2.0, y.agent_name) for _ in range(8)]
+        assert await asyncio.gather(*asked) == [y.agent_name] * 8
+        assert ep.hellos == 2 and reader.retired == 1  # one Hello shared by the eight
         assert not loaded(x) and loaded(y)
         conn = reader._conns.get(ep.url)
         obj = pools[0].allocate((CHUNK,), torch.uint8, MemoryFormat.KV_2LTD)
