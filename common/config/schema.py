@@ -227,6 +227,15 @@ class P2PConfig(_Section):
     # Connections (and NIXL agents) of peers unused this long are let go.
     peer_idle_s: PositiveSeconds = 300.0
 
+    def __post_init__(self) -> None:
+        # A read's connection closed as idle mid-read would fail it (a miss every time).
+        if self.peer_idle_s <= self.timeout_s:
+            raise RuleError(
+                "peer_idle_s",
+                f"must be above timeout_s ({self.timeout_s}), got {self.peer_idle_s}",
+                related=("timeout_s",),
+            )
+
 
 class PDConfig(_Section):
     """Disaggregated prefill: a prefiller (sender) pushes a prompt's KV straight into

@@ -184,14 +184,14 @@ def test_a_peer_unused_for_peer_idle_s_is_let_go_and_greeted_again_at_next_use(n
     a, c = nodes(
         {"name": "a", "seed": 1, "channel": "nixl"}, {"name": "c", "seed": 2, "channel": "nixl"}
     )
-    (b,) = nodes({"name": "b", "channel": "nixl", "peer_idle_s": 0.5})
+    (b,) = nodes({"name": "b", "channel": "nixl", "peer_idle_s": 1.5})
     from_a = a(op="store", seed=1, n=32)
     from_c = c(op="store", seed=2, n=32)
     b(op="locate", keys=from_a["keys"], endpoint=a.endpoint)
     b(op="locate", keys=from_c["keys"], endpoint=c.endpoint)
     assert b(op="retrieve", seed=1, n=32)["loaded"] == 32
     assert b(op="agent_loaded", agent=a.info["agent"])["loaded"] is True
-    time.sleep(1.0)
+    time.sleep(2.0)
     got = b(op="retrieve", seed=2, n=32)  # using another peer is when idle ones go
     assert got["loaded"] == 32 and got["agents_retired"] == 1
     assert b(op="agent_loaded", agent=a.info["agent"])["loaded"] is False

@@ -325,6 +325,16 @@ def test_l1_rule(tmp_path: Path) -> None:
     assert load_config(env={}, overrides={"engine.l1": {"enabled": False, "max_size": 0}})
 
 
+def test_peer_idle_s_must_outlast_a_read(tmp_path: Path) -> None:
+    """A peer's connection closed as idle in the middle of a read would fail it."""
+    path = write(tmp_path, "engine:\n  p2p:\n    timeout_s: 5\n")
+    err = load_error(path, overrides={"engine.p2p.peer_idle_s": 2})
+    assert err.key == "engine.p2p.peer_idle_s"
+    assert str(err.source) == "override engine.p2p.peer_idle_s"
+    assert "timeout_s (5" in str(err) and f"{path}, line 3" in str(err)
+    assert load_config(env={}, overrides={"engine.p2p.peer_idle_s": 6})
+
+
 def test_yaml_syntax_error_names_file_and_line(tmp_path: Path) -> None:
     path = write(tmp_path, "engine:\n  chunk_size: 1\n  l1: [1,\n")
     err = load_error(path)
