@@ -193,6 +193,18 @@ def test_allocation_error_names_the_cause() -> None:
         eng.close()
 
 
+def _clear_once_expired(eng: KVEngine, within_s: float = 3.0) -> int:
+    """clear() once the lookup pins have expired. The expiry pass forgets the lookup,
+    then unpins its chunks on the engine's thread: clear() counts them only after
+    that second step, so poll it rather than len(eng.pins)."""
+    deadline = time.monotonic() + within_s
+    cleared = 0
+    while not cleared and time.monotonic() < deadline:
+        time.sleep(0.05)
+        cleared = eng.clear()
+    return cleared
+
+
 def test_pins_expire_after_timeout() -> None:
     view, _, _ = make_cache("cpu", torch.float16, True, blocks=BLOCKS, block_size=BLOCK)
     eng = engine_for(view, config(pin_timeout_s=0.2))
@@ -201,14 +213,8 @@ def test_pins_expire_after_timeout() -> None:
         eng.store(prompt, torch.randperm(SLOTS)[:16])
         assert eng.lookup(prompt, "gone") == 16
         assert eng.clear() == 0  # pinned chunks stay
-        # The expiry pass forgets the lookup, then unpins its chunks: clear() sees them
-        # unpinned only after that second step, on the engine's thread.
-        deadline = time.monotonic() + 3
-        cleared = 0
-        while not cleared and time.monotonic() < deadline:
-            time.sleep(0.05)
-            cleared = eng.clear()
-        assert len(eng.pins) == 0 and cleared == 2
+        assert _clear_once_expired(eng) == 2
+        assert len(eng.pins) == 0
         assert eng.lookup(prompt) == 0
     finally:
         eng.close()
@@ -552,12 +558,8 @@ def test_pin_expiry_outlives_a_failing_pass(monkeypatch) -> None:
         prompt = tokens(16)
         eng.store(prompt, torch.randperm(SLOTS)[:16])
         assert eng.lookup(prompt, "gone") == 16
-        deadline = time.monotonic() + 3
-        cleared = 0
-        while not cleared and time.monotonic() < deadline:  # forgotten, then unpinned
-            time.sleep(0.05)
-            cleared = eng.clear()
-        assert len(eng.pins) == 0 and cleared == 2
+        assert _clear_once_expired(eng) == 2
+        assert len(eng.pins) == 0
     finally:
         eng.close()
 
