@@ -416,6 +416,10 @@ class CacheServerConfig(_Section):
     max_value_size: ByteSize = ByteSize("256MiB")
     max_connections: PositiveInt = 1024
     session_idle_s: PositiveSeconds = 600.0
+    # A connection that delivers no whole frame for this long after a heartbeat (a
+    # client stalled or gone mid-put), or leaves the server's output unacknowledged
+    # that long, is closed. Above the time the largest put takes on a busy link.
+    stall_timeout_s: PositiveSeconds = 60.0
     # LMCache's lm:// protocol on a second port (0 = let the OS pick).
     lm_enabled: bool = False
     lm_port: Port = 7621

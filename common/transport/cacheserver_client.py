@@ -369,11 +369,31 @@ class CacheServerClient:
         checksum: int | None = None,
         timeout_s: float | None = None,
     ) -> int:
-        """Store value (bytes-like); returns the server's checksum of it."""
+        """Store value (bytes-like); returns the server's checksum of it.
+        ValueTooLargeError, without sending it, for a value over the server's
+        max_value_size (one past its frame limit would cost the connection, and every
+        request on it)."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        limit = await self._value_limit(timeout_s)
+        nbytes = _nbytes(value)
+        if limit and nbytes > limit:
+            raise ValueTooLargeError(
+                f"value of {nbytes} bytes over the cache-server's max_value_size {limit}"
+            )
         reply, _ = await self._call(
-            lambda rid: proto.PutValue(rid, key, meta, checksum), (value,), timeout_s
+            lambda rid: proto.PutValue(rid, key, meta, checksum),
+            (value,),
+            max(deadline - loop.time(), 0.001),
         )
         return reply.checksum
+
+    async def _value_limit(self, timeout_s: float) -> int:
+        """The server's max_value_size (a hello first if none was made yet)."""
+        if not self._session:
+            await self._ensure_session(timeout_s)
+        return self.max_value_size
 
     async def get(self, key: str, timeout_s: float | None = None) -> Value | None:
         reply, frames = await self._call(lambda rid: proto.GetValue(rid, key), (), timeout_s)
@@ -437,19 +457,48 @@ class CacheServerClient:
         items: Sequence[tuple[str, Any, bytes]],
         timeout_s: float | None = None,
     ) -> list[int]:
-        """Store (key, value, meta) items; one error code per item (0 = stored)."""
-        out: list[int] = []
-        for part in self._batches(len(items)):
+        """Store (key, value, meta) items; one error code per item (0 = stored).
+        Sent in messages of at most max_batch items and max_value_size bytes (or one
+        value): ZMQ hands the server a message only whole, so one batch of large
+        values could hold many times the server's memory at once. A value over
+        max_value_size is not sent: its code is VALUE_TOO_LARGE."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        limit = await self._value_limit(timeout_s)
+        too_large = int(proto.ErrorCode.VALUE_TOO_LARGE)
+        out = [too_large] * len(items)
+        for part in self._put_batches(items, limit):
             chunk = [items[i] for i in part]
             keys = [k for k, _, _ in chunk]
             metas = [m for _, _, m in chunk]
             reply, _ = await self._call(
                 lambda rid, k=keys, m=metas: proto.PutValues(rid, k, m),
                 [v for _, v, _ in chunk],
-                timeout_s,
+                max(deadline - loop.time(), 0.001),
             )
-            out.extend(_one_each(reply.errors, keys, "mput"))
+            for i, code in zip(part, _one_each(reply.errors, keys, "mput"), strict=True):
+                out[i] = code
         return out
+
+    def _put_batches(self, items: Sequence[tuple[str, Any, bytes]], limit: int) -> list[list[int]]:
+        """Indices of items, grouped into messages; those over limit left out."""
+        size = max(1, self.max_batch)
+        batches: list[list[int]] = []
+        batch: list[int] = []
+        held = 0
+        for i, (_, value, _) in enumerate(items):
+            nbytes = _nbytes(value)
+            if limit and nbytes > limit:
+                continue
+            if batch and (len(batch) == size or (limit and held + nbytes > limit)):
+                batches.append(batch)
+                batch, held = [], 0
+            batch.append(i)
+            held += nbytes
+        if batch:
+            batches.append(batch)
+        return batches
 
     async def get_many(
         self, keys: Sequence[str], timeout_s: float | None = None

@@ -14,7 +14,10 @@ are answered inline, a get that reads the spill runs as a task.
 Anything malformed gets an `ErrorReply` and a metric, never a crash: bytes that are
 not ZMTP cost only their own connection (ZMQ drops it, or reads them as ZMTP 1.0
 frames that then fail to decode), and a frame larger than the limit closes its
-connection (ZMQ's MAXMSGSIZE).
+connection (ZMQ's MAXMSGSIZE). A peer from which no whole frame arrives within
+stall_timeout_s of a heartbeat (one stalled or gone mid-way through a large put), or
+that leaves what the server sent it unacknowledged that long, is disconnected, which
+frees what it sent and what was queued for it.
 
 Sessions and the connection limit: a client is served once it said hello (routing id
 → session). ZMQ gives no per-peer disconnect notice without its draft API, so the
@@ -53,6 +56,15 @@ log = get_logger(__name__)
 
 MAX_INFLIGHT_TASKS = 256
 GAUGE_PERIOD_S = 1.0
+# ZMTP heartbeats and TCP_USER_TIMEOUT, both at the config's stall_timeout_s. libzmq
+# allocates a frame whole when its size is announced, so a client that sent part of a
+# large put and then stalled (or whose host vanished without a FIN) held that memory
+# for ever. The heartbeat's timeout is not reset by a frame still arriving, nor is a
+# PONG sent before the peer's own frame ends: the timeout must outlast the slowest
+# legitimate put (max_value_size over a busy link), hence a setting of its own rather
+# than request_timeout_s. A peer that reads nothing gets no PING (one goes out only
+# between frames): TCP's own timeout closes that one.
+HEARTBEAT_MAX_IVL_S = 10.0
 
 
 @dataclass(slots=True)
@@ -137,6 +149,15 @@ class CacheServer:
         cfg = self.config
         # The router's monitor (connection counts) also carries the refused handshakes.
         self.guard = guard = CurveGuard(self._ctx, self.curve, self.stats.metrics, "cacheserver")
+
+        def prepare(sock: zmq.Socket) -> None:
+            stall_ms = int(cfg.stall_timeout_s * 1000)
+            ivl_s = min(HEARTBEAT_MAX_IVL_S, cfg.stall_timeout_s / 2)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(ivl_s * 1000)))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, stall_ms)
+            sock.setsockopt(zmq.TCP_MAXRT, stall_ms)
+            guard.secure(sock)
+
         self.port = self.router.start(
             cfg.host,
             cfg.port,
@@ -145,7 +166,7 @@ class CacheServer:
             max_message_bytes=int(cfg.max_value_size) + (8 << 20),
             max_frames=proto.MAX_BATCH + 2,  # routing id, header, a batch of values
             monitor_events=zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | guard.events,
-            secure=guard.secure,
+            secure=prepare,
         )
         assert self.router.monitor is not None
         loop = asyncio.get_running_loop()

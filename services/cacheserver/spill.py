@@ -19,8 +19,10 @@ checksum; a file that fails is deleted and the read is a miss.
 The spill is a cache of the memory tier, not a store: it is bounded by `max_size`
 (oldest files deleted first) and starts empty (leftover files are deleted on start).
 I/O runs on a small thread pool; the index is only touched on the event loop. A write
-that fails because the disk is full or read-only pauses spilling for `retry_s` (what
-would have been spilled is dropped), rather than failing every eviction the same way.
+that fails because the disk is full or read-only, or the directory is gone or not
+writable (or the disk fails), pauses spilling for `retry_s` (what would have been
+spilled is dropped), rather than failing every eviction the same way. The directory
+is not made again: where a volume went away, that would fill the disk beneath it.
 """
 
 from __future__ import annotations
@@ -49,8 +51,19 @@ _HEAD = struct.Struct("<8sIIQQ")
 _CHECK = struct.Struct("<Q")
 HEADER_SIZE = _HEAD.size + _CHECK.size
 SUFFIX = ".val"
-# Write errors that every following write would hit too.
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+# Write errors that every following write would hit too: a full or read-only disk, a
+# directory removed or made unwritable (one warning per eviction otherwise: 1,937 of
+# them for 2,000 puts into a spill whose directory was deleted), a failing disk.
+_DISK_FULL = (
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EROFS,
+    errno.ENOENT,
+    errno.ENOTDIR,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EIO,
+)
 
 
 class SpillCorrupt(ValueError):
@@ -123,11 +136,35 @@ class DiskSpill:
             log.info("spill: deleted leftover files", path=str(self.path), files=removed)
 
     def _wipe(self) -> int:
-        n = 0
-        for entry in os.scandir(self.path):
-            if entry.is_file() and (entry.name.endswith(SUFFIX) or entry.name.endswith(".tmp")):
+        """Delete leftover spill files; how many. One that cannot be deleted (a
+        directory remounted read-only after a disk error) stays, with one warning:
+        the spill is a cache, and its writes pause themselves on such a directory,
+        so the server starts rather than dying on a traceback. A leftover is never
+        read (the index starts empty) and a write of its name replaces it."""
+        n = kept = 0
+        error: OSError | None = None
+        try:
+            entries = list(os.scandir(self.path))
+        except OSError as exc:  # unreadable (EIO): nothing known to delete
+            entries, error = [], exc
+        for entry in entries:
+            try:
+                if not entry.name.endswith((SUFFIX, ".tmp")) or not entry.is_file():
+                    continue
                 os.unlink(entry.path)
                 n += 1
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                kept += 1
+                error = error or exc
+        if error is not None:
+            log.warning(
+                "spill: leftover files not deleted",
+                path=str(self.path),
+                files=kept,
+                error=str(error),
+            )
         return n
 
     def __len__(self) -> int:

@@ -52,7 +52,7 @@ from kvmesh.services.worker.tiers.remote_codec import (
     placement,
     release_result,
 )
-from kvmesh.services.worker.tiers.remote_connector import Connector
+from kvmesh.services.worker.tiers.remote_connector import Connector, ValueRefused
 from kvmesh.services.worker.tiers.remote_health import HealthMonitor
 from kvmesh.services.worker.tiers.remote_presence import PresenceCache
 from kvmesh.services.worker.tiers.remote_stats import RemoteStats
@@ -62,6 +62,9 @@ log = get_logger(__name__)
 MAX_LOOKUP_KEYS = 4096
 CLEAR_TIMEOUT_S = 60.0
 CLOSE_TIMEOUT_S = 5.0
+# At most one warning this often for puts the store refuses (too large, or it is full):
+# every chunk of a model may be over the limit, a warning each would flood the log.
+REFUSED_WARN_S = 60.0
 
 
 class RemoteTier:
@@ -119,6 +122,7 @@ class RemoteTier:
         self._monitor: asyncio.Task | None = None
         self._closed = False
         self._disconnects_seen = 0
+        self._refused_warned_at = -REFUSED_WARN_S
         loop.call_soon(self._start)
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -264,6 +268,10 @@ class RemoteTier:
             obj.checksum = header.checksum
             async with asyncio.timeout(self.config.timeout_s):
                 await self.connector.put(key, header, packed, payload)
+        except ValueRefused as exc:
+            # Only puts fail: the store is up, and what it holds is as remembered.
+            stats.puts[exc.result].inc()
+            self._warn_refused(exc)
         except Exception as exc:  # any failure is a dropped put, never the caller's problem
             stats.puts["error"].inc()
             self._failed("put", exc)
@@ -279,6 +287,16 @@ class RemoteTier:
         finally:
             obj.ref_down()
             self._put_done(key)
+
+    def _warn_refused(self, exc: ValueRefused) -> None:
+        now = time.monotonic()
+        if now - self._refused_warned_at >= REFUSED_WARN_S:
+            self._refused_warned_at = now
+            log.warning(
+                "remote store refused a chunk; it stays local",
+                remote=self.connector.display,
+                error=str(exc),
+            )
 
     # -- gets ---------------------------------------------------------------------------
     async def aget(self, key: ChunkKey, allocator: Allocator) -> MemoryObj | None:
@@ -399,6 +417,9 @@ class RemoteTier:
             log.warning("remote value failed its checks; dropped", key=key.to_str(), error=str(exc))
             self.presence.set(key, False)
             self._drop_remote_copy(key)
+            return "failed"
+        except ValueRefused as exc:
+            self._warn_refused(exc)
             return "failed"
         except Exception as exc:
             self._failed("rewrite", exc)

@@ -23,7 +23,8 @@ tier uses it when a connector has it (the cache-server's data connections) and v
 the chunk in place; a connector without it is read through `get`.
 
 A connector's coroutines run on the engine's event loop; the tier applies deadlines
-around them and treats any exception as a failed request (a miss).
+around them and treats any exception as a failed request (a miss); `ValueRefused` from
+`put` drops that put without counting against the store's health.
 """
 
 from __future__ import annotations
@@ -41,6 +42,25 @@ if TYPE_CHECKING:
     from kvmesh.common.transport.curve import CurveKeys
 
 SCHEMES = ("kvmesh", "redis", "rediss", "redis-cluster", "fs")
+
+
+class ValueRefused(Exception):
+    """The store will not take this value (larger than it admits): that put is
+    dropped, but the store is not down, so it is no health failure and what the tier
+    remembers of the store's keys still holds (its gets go on). A connector raises it
+    when the store answered so, or when it knows the store's limit and the value is
+    over it (the cache-server drops the whole connection, and every request on it,
+    for a value past its frame limit). `result`: the put's label in
+    `remote_puts_total`."""
+
+    result = "too_large"
+
+
+class StoreFull(ValueRefused):
+    """The store has no room for writes (a full or over-quota filesystem, a Redis at
+    maxmemory with noeviction): puts are dropped while reads still work."""
+
+    result = "store_full"
 
 
 @dataclass(slots=True)

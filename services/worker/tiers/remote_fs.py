@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import errno
 import os
 import shutil
 import time
@@ -30,7 +31,7 @@ from typing import Any
 from kvmesh.common.chunk_codec import FILE_LAYOUT, ChunkHeader, CorruptChunk
 from kvmesh.common.keys import ChunkKey
 from kvmesh.services.worker.tiers.disk_format import chunk_file_name, temp_file_name
-from kvmesh.services.worker.tiers.remote_connector import Fetched
+from kvmesh.services.worker.tiers.remote_connector import Fetched, StoreFull
 
 IO_THREADS = 4
 
@@ -80,7 +81,14 @@ class FsConnector:
     async def put(self, key: ChunkKey, header: ChunkHeader, packed: bytes, payload: Any) -> None:
         # Packed here, not in the thread: a compressed header fails before any I/O.
         raw_header = FILE_LAYOUT.pack(dataclasses.replace(header, written_ns=time.time_ns()))
-        await self._io(self._write, key, raw_header, payload)
+        try:
+            await self._io(self._write, key, raw_header, payload)
+        except OSError as exc:
+            # Full: the files there still read, so the tier must not go down (three
+            # puts in a row failing marked it so, and every get then missed).
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreFull(f"{self.root}: {exc.strerror}") from None
+            raise
 
     def _write(self, key: ChunkKey, raw_header: bytes, payload: Any) -> None:
         final = self._path(key)

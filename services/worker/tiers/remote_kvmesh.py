@@ -16,9 +16,9 @@ from typing import Any
 
 from kvmesh.common.chunk_codec import VALUE_LAYOUT, ChunkHeader
 from kvmesh.common.keys import ChunkKey
-from kvmesh.common.transport.cacheserver_client import CacheServerClient
+from kvmesh.common.transport.cacheserver_client import CacheServerClient, ValueTooLargeError
 from kvmesh.common.transport.curve import CurveKeys
-from kvmesh.services.worker.tiers.remote_connector import Fetched, host_ports
+from kvmesh.services.worker.tiers.remote_connector import Fetched, ValueRefused, host_ports
 
 DEFAULT_PORT = 7620
 CLEAR_PAGE = 1000
@@ -93,7 +93,11 @@ class KvmeshConnector:
         await self._client().health()
 
     async def put(self, key: ChunkKey, header: ChunkHeader, packed: bytes, payload: Any) -> None:
-        await self._client().put(self._name(key), payload, packed)
+        try:
+            # The client refuses a value over the server's limit without sending it.
+            await self._client().put(self._name(key), payload, packed)
+        except ValueTooLargeError as exc:
+            raise ValueRefused(str(exc)) from None
 
     async def get(self, key: ChunkKey) -> Fetched | None:
         value = await self._client().get(self._name(key))

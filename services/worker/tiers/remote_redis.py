@@ -22,11 +22,12 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import OutOfMemoryError
 
 from kvmesh.common import offload
 from kvmesh.common.chunk_codec import VALUE_LAYOUT, ChunkHeader
 from kvmesh.common.keys import ChunkKey
-from kvmesh.services.worker.tiers.remote_connector import Fetched, host_ports, redact
+from kvmesh.services.worker.tiers.remote_connector import Fetched, StoreFull, host_ports, redact
 
 DEFAULT_PORT = 6379
 CLEAR_BATCH = 500
@@ -99,7 +100,13 @@ class RedisConnector:
             value = b"".join(parts)
         else:  # a copy of megabytes (bytes.join lets go of the GIL for it)
             value = await offload.offload(b"".join, parts)
-        await self._client().set(self._name(key), value)
+        try:
+            await self._client().set(self._name(key), value)
+        except OutOfMemoryError as exc:
+            # At maxmemory with noeviction: writes are refused, reads still served, so
+            # not a store down (three such puts in a row marked it so, and back up at
+            # the next ping, over and over, every get a miss meanwhile).
+            raise StoreFull(f"redis: {exc}") from None
 
     async def get(self, key: ChunkKey) -> Fetched | None:
         data = await self._client().get(self._name(key))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvmesh.common.observability import Metrics
 
-PUT_RESULTS = ("written", "duplicate", "down", "queue_full", "error")
+PUT_RESULTS = ("written", "duplicate", "down", "queue_full", "too_large", "store_full", "error")
 GET_RESULTS = ("hit", "miss", "down", "error", "corrupt", "no_memory")
 LOOKUP_RESULTS = ("cached", "asked", "down", "timeout", "error")
 OPS = ("put", "get", "exists")

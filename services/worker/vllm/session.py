@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.services.worker.tiers.misses import MissReason
+from kvmesh.services.worker.tiers.remote_stats import PUT_RESULTS
 
 MISS_REASONS = [r.value for r in MissReason]
 
@@ -85,7 +86,7 @@ def _engine_stats(instance_id: str) -> dict[str, float]:
         "retrieve_seconds": ("op_latency_seconds_sum", {"op": "retrieve"}),
         "lookup_server_requests": ("lookup_server_requests_total", {"kind": "lookup"}),
     }
-    for result in ("written", "error", "down", "duplicate", "queue_full"):
+    for result in PUT_RESULTS:
         names[f"remote_puts_{result}"] = ("remote_puts_total", {"result": result})
     for result in ("cached", "asked", "down", "timeout", "error"):
         names[f"remote_lookups_{result}"] = ("remote_lookups_total", {"result": result})
