@@ -2,7 +2,8 @@
 
 A policy only orders keys; the tier owns the objects. The tier reports what happens
 (`on_insert`, `on_access` on a hit, `on_remove` whenever a key leaves, evicted or
-deleted) and asks `victims(n, can_evict)` for up to n keys in eviction order, skipping
+deleted; `on_restore` for a key found at start, such as a disk file from an earlier
+run) and asks `victims(n, can_evict)` for up to n keys in eviction order, skipping
 those `can_evict` rejects (pinned or referenced objects are never candidates).
 `victims` only proposes: the tier removes what it actually evicts and calls
 `on_remove` for each.
@@ -18,6 +19,7 @@ and its policy disagreeing is a bug worth surfacing.
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterator
 from typing import Generic, TypeVar
@@ -35,6 +37,14 @@ class EvictionPolicy(ABC, Generic[K]):
     @abstractmethod
     def on_insert(self, key: K) -> None:
         """A new key was stored (an already present key counts as an access)."""
+
+    @abstractmethod
+    def on_restore(self, key: K) -> None:
+        """A key found rather than stored (a file left by an earlier run, seen by a
+        re-index): older than every key this run stored, and newer than the keys
+        restored before it (restore oldest first). It takes the place the policy
+        gives old keys (first to go for LRU, FIFO and LFU, last for MRU) until used.
+        A present key is left as is."""
 
     @abstractmethod
     def on_access(self, key: K) -> None:
@@ -75,31 +85,45 @@ class EvictionPolicy(ABC, Generic[K]):
 
 
 class _RecencyPolicy(EvictionPolicy[K]):
-    """Keys in a dict kept in recency order: oldest first, a touch moves a key last."""
+    """Keys in a dict kept in recency order: oldest first, a touch moves a key last.
+    Restored keys wait in a dict of their own, older than all of them, until used."""
 
     def __init__(self) -> None:
         # A dict keeps insertion order; popping and re-adding a key moves it to the end,
         # which costs the same as OrderedDict.move_to_end with less memory per key.
         self._keys: dict[K, None] = {}
+        self._found: dict[K, None] = {}
 
     def on_insert(self, key: K) -> None:
         keys = self._keys
         keys.pop(key, None)
+        if self._found:
+            self._found.pop(key, None)
         keys[key] = None
+
+    def on_restore(self, key: K) -> None:
+        if key not in self._keys:
+            self._found.setdefault(key, None)
 
     def on_access(self, key: K) -> None:
         keys = self._keys
-        del keys[key]
+        try:
+            del keys[key]
+        except KeyError:  # a restored key, used for the first time
+            del self._found[key]
         keys[key] = None
 
     def on_remove(self, key: K) -> None:
-        del self._keys[key]
+        try:
+            del self._keys[key]
+        except KeyError:
+            del self._found[key]
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self._keys) + len(self._found)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._keys
+        return key in self._keys or key in self._found
 
 
 class LRUPolicy(_RecencyPolicy[K]):
@@ -108,7 +132,7 @@ class LRUPolicy(_RecencyPolicy[K]):
     name = "lru"
 
     def _eviction_order(self) -> Iterator[K]:
-        return iter(self._keys)
+        return itertools.chain(self._found, self._keys)
 
 
 class MRUPolicy(_RecencyPolicy[K]):
@@ -118,7 +142,7 @@ class MRUPolicy(_RecencyPolicy[K]):
     name = "mru"
 
     def _eviction_order(self) -> Iterator[K]:
-        return reversed(self._keys)
+        return itertools.chain(reversed(self._keys), reversed(self._found))
 
 
 class FIFOPolicy(EvictionPolicy[K]):
@@ -128,26 +152,35 @@ class FIFOPolicy(EvictionPolicy[K]):
 
     def __init__(self) -> None:
         self._keys: dict[K, None] = {}
+        self._found: dict[K, None] = {}  # restored: arrived before every key of _keys
 
     def on_insert(self, key: K) -> None:
         # A re-insert keeps the key's place: FIFO ages by first arrival.
-        self._keys.setdefault(key, None)
+        if key not in self._found:
+            self._keys.setdefault(key, None)
+
+    def on_restore(self, key: K) -> None:
+        if key not in self._keys:
+            self._found.setdefault(key, None)
 
     def on_access(self, key: K) -> None:
-        if key not in self._keys:
+        if key not in self._keys and key not in self._found:
             raise KeyError(key)
 
     def on_remove(self, key: K) -> None:
-        del self._keys[key]
+        try:
+            del self._keys[key]
+        except KeyError:
+            del self._found[key]
 
     def _eviction_order(self) -> Iterator[K]:
-        return iter(self._keys)
+        return itertools.chain(self._found, self._keys)
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self._keys) + len(self._found)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._keys
+        return key in self._keys or key in self._found
 
 
 class _FreqBucket(Generic[K]):
@@ -187,32 +220,44 @@ class LFUPolicy(EvictionPolicy[K]):
             self.on_access(key)
             return
         head = self._head
-        if head is None or head.freq != 1:
-            bucket: _FreqBucket[K] = _FreqBucket(1)
-            bucket.next = head
-            if head is not None:
-                head.prev = bucket
-            self._head = bucket
-            head = bucket
-        head.keys[key] = None
-        self._bucket_of[key] = head
+        # After the restored keys' bucket (frequency 0), if there is one.
+        self._add(key, self._bucket(head if head is not None and head.freq == 0 else None, 1))
+
+    def on_restore(self, key: K) -> None:
+        # Frequency 0: not used this run, so before every key stored in it (frequency 1
+        # and up); its first use takes it to 1.
+        if key not in self._bucket_of:
+            self._add(key, self._bucket(None, 0))
 
     def on_access(self, key: K) -> None:
         bucket = self._bucket_of[key]
         nxt = bucket.next
-        if nxt is None or nxt.freq != bucket.freq + 1:
-            new: _FreqBucket[K] = _FreqBucket(bucket.freq + 1)
-            new.prev = bucket
-            new.next = nxt
-            if nxt is not None:
-                nxt.prev = new
-            bucket.next = new
-            nxt = new
+        if nxt is None or nxt.freq != bucket.freq + 1:  # else the common case, inline
+            nxt = self._bucket(bucket, bucket.freq + 1)
         nxt.keys[key] = None
         self._bucket_of[key] = nxt
         del bucket.keys[key]
         if not bucket.keys:
             self._unlink(bucket)
+
+    def _bucket(self, prev: _FreqBucket[K] | None, freq: int) -> _FreqBucket[K]:
+        """The bucket of freq right after prev (None: at the head), made if missing."""
+        nxt = self._head if prev is None else prev.next
+        if nxt is not None and nxt.freq == freq:
+            return nxt
+        bucket: _FreqBucket[K] = _FreqBucket(freq)
+        bucket.prev, bucket.next = prev, nxt
+        if nxt is not None:
+            nxt.prev = bucket
+        if prev is None:
+            self._head = bucket
+        else:
+            prev.next = bucket
+        return bucket
+
+    def _add(self, key: K, bucket: _FreqBucket[K]) -> None:
+        bucket.keys[key] = None
+        self._bucket_of[key] = bucket
 
     def on_remove(self, key: K) -> None:
         bucket = self._bucket_of.pop(key)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,7 @@ from tqdm import tqdm
 from kvmesh.common.config import format_size, parse_size
 from kvmesh.services.worker.tiers.disk_scan import (
     LOCK_FILE,
+    Listing,
     ScannedFile,
     check_files,
     list_dir,
@@ -28,6 +30,7 @@ _NS_DIR = re.compile(r"[0-9a-f]{16}")
 class DirReport:
     path: str
     in_use_by: str | None = None
+    error: str | None = None  # the directory could not be read: nothing else is known
     keep: list[ScannedFile] = field(default_factory=list)
     drop: list[tuple[str, int, str]] = field(default_factory=list)  # (file, bytes, why)
     ignored: list[str] = field(default_factory=list)
@@ -36,6 +39,7 @@ class DirReport:
         return {
             "path": self.path,
             "in_use_by": self.in_use_by,
+            "error": self.error,
             "keep": {"files": len(self.keep), "bytes": sum(f.size for f in self.keep)},
             "drop": [{"file": n, "bytes": b, "reason": r} for n, b, r in self.drop],
             "ignored": self.ignored,
@@ -146,9 +150,19 @@ def scan(
         raise click.BadParameter(str(exc), param_hint="--max-chunk") from None
     if chunk_limit is not None and chunk_limit <= 0:
         raise click.BadParameter("must be > 0", param_hint="--max-chunk")
-    listings = [(d, list_dir(d)) for d in tier_dirs(directory)]
-    total = sum(len(listing.chunks) for _, listing in listings)
+    try:
+        dirs = tier_dirs(directory)
+    except OSError as exc:
+        raise click.ClickException(f"{directory}: cannot read: {exc.strerror}") from None
+    listings: list[tuple[str, Listing]] = []
     reports: list[DirReport] = []
+    for d in dirs:
+        try:
+            listings.append((d, list_dir(d)))
+        except OSError as exc:
+            # One unreadable namespace directory must not hide the others' reports.
+            reports.append(DirReport(d, error=f"cannot read: {exc.strerror}"))
+    total = sum(len(listing.chunks) for _, listing in listings)
     with tqdm(total=total, unit="file", desc="scanning", disable=not progress, leave=False) as bar:
         for path, listing in listings:
             report = DirReport(path, in_use_by=lock_holder(path), ignored=list(listing.ignored))
@@ -170,21 +184,36 @@ def scan(
                     for f in evicted
                 )
             reports.append(report)
+    reports.sort(key=lambda r: dirs.index(r.path))
+    failed = [r for r in reports if r.error is not None]
     if as_json:
         click.echo(json.dumps({"directories": [r.as_dict() for r in reports]}, indent=2))
-        return
-    for r in reports:
-        _print_report(r, list_files)
+    else:
+        for r in reports:
+            _print_report(r, list_files)
+    if failed:
+        for r in failed:
+            click.echo(f"error: {r.path}: {r.error}", err=True)
+        sys.exit(1)
 
 
 def _size(path: str, name: str) -> int:
     try:
-        return os.stat(os.path.join(path, name)).st_size
+        return os.lstat(os.path.join(path, name)).st_size  # a link itself, as unlinked
     except OSError:
         return 0
 
 
+def _shown(name: str) -> str:
+    """A file name as printed: escaped when it holds a newline or a control sequence,
+    which would split a line of the report or reach the terminal."""
+    return name if name.isprintable() else ascii(name)
+
+
 def _print_report(r: DirReport, list_files: bool) -> None:
+    if r.error is not None:
+        click.echo(f"{r.path}  ({r.error})")
+        return
     click.echo(r.path + (f"  (in use by a running tier, {r.in_use_by})" if r.in_use_by else ""))
     kept = sum(f.size for f in r.keep)
     dropped = sum(b for _, b, _ in r.drop)
@@ -197,7 +226,7 @@ def _print_report(r: DirReport, list_files: bool) -> None:
         click.echo(f"  ignore  {len(r.ignored):>8} other files (not the tier's; left alone)")
     if list_files:
         for name, size, why in r.drop:
-            click.echo(f"  drop {name}  {_human(size)}  {why}")
+            click.echo(f"  drop {_shown(name)}  {_human(size)}  {why}")
 
 
 def _human(n: int) -> str:
@@ -217,4 +246,14 @@ def _reason_group(why: str) -> str:
         return "bad header"
     if why.startswith("size "):
         return "wrong size (truncated or extended)"
+    if why.startswith("holds another key"):
+        return "holds another key (a misplaced or renamed file)"
+    if why.startswith("header says"):
+        return "claims a chunk larger than --max-chunk"
+    if why.startswith("unreadable"):
+        return why  # one errno each: few groups
+    if "did not decode" in why:
+        return "payload did not decode"
+    if why.startswith(("payload", "stored payload")):
+        return "payload does not match its header (length or checksum)"
     return why

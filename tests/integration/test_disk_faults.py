@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from kvtest.disk import mount, tmpfs
 from kvtest.paged import bits, make_cache, slot_tokens
 
 from kvmesh.common.config import DiskConfig, EngineConfig, L1Config
@@ -29,25 +29,11 @@ SLOTS = BLOCKS * BLOCK
 RETRY_S = 0.3
 
 
-def mount(*args: str) -> None:
-    done = subprocess.run(["mount", *args], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.fail(
-            f"mount {' '.join(args)} failed ({done.stderr.strip()}): these tests need root "
-            "to mount a size-limited tmpfs"
-        )
-
-
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
     """A 1 MiB tmpfs, unmounted after the test."""
-    where = tmp_path / "fs"
-    where.mkdir()
-    mount("-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs", str(where))
-    try:
+    with tmpfs(tmp_path / "fs", "1m") as where:
         yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 def engine_on(path: Path, view) -> KVEngine:

@@ -3,9 +3,14 @@ checker (in this process or another) knows what every served chunk must hold."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
 
+import pytest
 import torch
 
 from kvmesh.common.keys import ChunkKey, KeyNamespace
@@ -61,3 +66,24 @@ def temp_files(path: str | os.PathLike[str]) -> list[str]:
 
 def chunk_files(path: str | os.PathLike[str]) -> list[str]:
     return [n for n in os.listdir(path) if n.endswith(".kv")]
+
+
+def mount(*args: str) -> None:
+    """`mount ARGS`, failing the test (never skipping it) where that is refused."""
+    done = subprocess.run(["mount", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.fail(
+            f"mount {' '.join(args)} failed ({done.stderr.strip()}): these tests need root "
+            "to mount a size-limited tmpfs"
+        )
+
+
+@contextlib.contextmanager
+def tmpfs(where: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (mount's notation: "1m") at where, unmounted afterwards."""
+    where.mkdir()
+    mount("-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(where))
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)

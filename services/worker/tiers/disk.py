@@ -30,7 +30,9 @@
   same directory stays degraded until the first lets go). On start a background thread
   re-indexes the directory from the headers (disk_scan.py), oldest file first: lookups
   miss until a file is indexed, temporary and failing files are deleted, the maximum
-  size is enforced, and progress is logged.
+  size is enforced, and progress is logged. Puts and deletes go on meanwhile: a key
+  the tier wrote or deleted since the start is left to the index, never to what the
+  scan saw of it (the old file of a key whose new write fails is indexed after all).
 - **Degraded mode**: a write that fails (disk full, read-only filesystem, directory
   gone, any I/O error) logs once and marks the tier degraded: puts are dropped (reads
   go on where files are still readable) until `retry_s` later, when one put is let
@@ -121,6 +123,9 @@ class _Entry:
     # A rewrite is renaming this entry's file into place: deletes and evictions leave
     # it (and the entry) to the rewrite, which deletes it after the rename if need be.
     replacing: bool = False
+    # Indexed from a file the re-index found: the scan is past its name, so deleting
+    # it needs no note in `_gone` (which would grow with every eviction of a restart).
+    found: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -181,6 +186,12 @@ class DiskTier:
         # their bytes stay in `_used`, so the directory keeps to max_size; tried again
         # when the tier recovers.
         self._stuck: dict[ChunkKey, int] = {}
+        # While the re-index runs, what it scanned may have changed since: keys whose
+        # file this tier deleted (the index knows their state better than the scan),
+        # and, for a key being written anew, the file the scan found under it (still
+        # there, and the key's, if the write fails). None once the re-index ended.
+        self._gone: set[ChunkKey] | None = set()
+        self._shadowed: dict[ChunkKey, ScannedFile] = {}
         self._ready = 0  # READY entries
         self._pending_puts = 0
         self._closed = False
@@ -246,6 +257,8 @@ class DiskTier:
         except Exception as exc:  # never leave waiters hanging, whatever failed
             log.error("disk re-index failed", path=self.path, error=repr(exc))
         finally:
+            with self._lock:
+                self._gone = None
             self._indexed.set()
 
     def _reindex_dir(self) -> None:
@@ -308,10 +321,22 @@ class DiskTier:
                 if f.ok:
                     assert f.header is not None
                     key, h = f.header.key, f.header
-                    if key in self._index:
-                        continue  # written again since the start: the new file counts
-                    self._index[key] = _Entry(_State.READY, f.size, h.shape, h.dtype, h.fmt)
-                    self._policy.on_insert(key)
+                    if self._gone is not None and key in self._gone:
+                        continue  # deleted (or replaced and deleted) since the scan
+                    held = self._index.get(key)
+                    if held is not None:
+                        # Written again since the start: the new file counts. Until its
+                        # rename (or a delete of the name), this file is still there:
+                        # the key's if the write fails.
+                        if held.state is not _State.READY:
+                            self._shadowed[key] = f
+                        continue
+                    self._index[key] = _Entry(
+                        _State.READY, f.size, h.shape, h.dtype, h.fmt, found=True
+                    )
+                    # Before the chunks this run stored: on a full directory those are
+                    # the ones to keep (they were evicted first, every one of them).
+                    self._policy.on_restore(key)
                     self._used += f.size
                     self._ready += 1
                     counts["kept"] += 1
@@ -320,8 +345,10 @@ class DiskTier:
                 # The name's key, not the header's (a misplaced file may name another):
                 # the file unlinked below is that name's.
                 key = key_of_file_name(f.name)
-                if key is not None and key in self._index:
-                    continue  # a fresh write owns that name now
+                if key is not None and (
+                    key in self._index or (self._gone is not None and key in self._gone)
+                ):
+                    continue  # a fresh write owns that name now, or the tier deleted it
                 holder = None
                 if key is not None:
                     # A placeholder keeps puts of this key away while the file goes.
@@ -407,6 +434,9 @@ class DiskTier:
 
     def _forget(self, key: ChunkKey, entry: _Entry, stuck: bool = False) -> None:
         with self._lock:
+            self._shadowed.pop(key, None)  # the name was unlinked: whatever file it was
+            if self._gone is not None and not entry.found:
+                self._gone.add(key)
             if self._index.get(key) is entry:
                 del self._index[key]
                 if stuck:
@@ -441,6 +471,8 @@ class DiskTier:
             with self._lock:
                 if self._index.get(key) is holder:
                     del self._index[key]
+                if self._gone is not None:
+                    self._gone.add(key)
                 if gone:
                     self._used -= self._stuck.pop(key, 0)
         self._update_gauges()
@@ -501,6 +533,7 @@ class DiskTier:
             if self._index.get(key) is entry:
                 del self._index[key]
                 self._used -= entry.size
+            self._shadowed.pop(key, None)
 
     def _write(self, key: ChunkKey, entry: _Entry, obj: MemoryObj, probe: bool) -> None:
         final = self._file(key)
@@ -534,6 +567,9 @@ class DiskTier:
                     self._used -= entry.size
                 if probe:
                     self._probing = False
+                restored = self._restore_shadowed_locked(key, entry)
+            if restored is not None:
+                self._delete_async([(key, restored)], evicted=False)
             if isinstance(exc, OSError):
                 self._degrade(self._describe(exc, "write"))
             else:  # this chunk cannot be written (not the disk's fault)
@@ -551,6 +587,7 @@ class DiskTier:
                 self._probing = False
             # A compressed chunk took less than the room reserved for it.
             size = FILE_LAYOUT.total_size(header)
+            self._shadowed.pop(key, None)  # the rename replaced the file the scan saw
             if self._index.get(key) is entry:
                 self._used += size - entry.size
             entry.size = size
@@ -567,6 +604,24 @@ class DiskTier:
         if self._reindex_thread is None:
             self._start_reindex()  # the directory became usable after a failed start
         self._update_gauges()
+
+    def _restore_shadowed_locked(self, key: ChunkKey, entry: _Entry) -> _Entry | None:
+        """A write of key failed: the older file the re-index found under key (skipped
+        for the write) is still there, so it is indexed after all; or, if the chunk was
+        removed meanwhile, returned (DELETING) for the caller to delete."""
+        f = self._shadowed.pop(key, None)
+        if f is None or f.header is None or key in self._index or self._closed:
+            return None
+        h = f.header
+        old = _Entry(_State.READY, f.size, h.shape, h.dtype, h.fmt, found=True)
+        self._index[key] = old
+        self._used += f.size
+        if entry.state is _State.DELETING:
+            old.state = _State.DELETING
+            return old
+        self._policy.on_restore(key)
+        self._ready += 1
+        return None
 
     # -- degraded mode ----------------------------------------------------------------------
     def _describe(self, exc: BaseException, op: str) -> str:
@@ -596,6 +651,9 @@ class DiskTier:
                 self._ready -= len(lost)
                 self._used -= sum(self._stuck.values())
                 self._stuck.clear()
+                # Files the re-index skipped for a write in flight went too: a write
+                # that then fails must not index them back.
+                self._shadowed.clear()
         self.stats.degraded.set(1)
         if first:
             log.warning(
@@ -742,6 +800,12 @@ class DiskTier:
             obj.ref_down()
             if not isinstance(exc, OSError):
                 raise
+            if isinstance(exc, FileNotFoundError) and self._removed_since(key, entry):
+                # Removed after the read was queued, its file deleted before the open:
+                # a plain miss, not an I/O error of the disk.
+                self.stats.gets["miss"].inc()
+                self.misses.count_absent(key)
+                return None
             self.stats.io_errors["read"].inc()
             self.stats.gets["error"].inc()
             self.misses.inc(MissReason.ERROR)
@@ -750,6 +814,10 @@ class DiskTier:
         # The header buffer is this I/O thread's, reused by its next read: the check,
         # on another thread, gets a copy (4 KiB).
         return _Landed(key, entry, obj, memoryview(hdr.tobytes()), payload, n, t0, renaming)
+
+    def _removed_since(self, key: ChunkKey, entry: _Entry) -> bool:
+        with self._lock:
+            return self._index.get(key) is not entry or entry.state is not _State.READY
 
     def _read_error(self, key: ChunkKey, exc: Exception) -> None:
         """A read that failed unexpectedly: a miss, whatever went wrong."""

@@ -68,8 +68,11 @@ def list_dir(path: str, own_run_id: str | None = None) -> Listing:
         for entry in it:
             name = entry.name
             if is_temp_file_name(name):
-                if own_suffix is None or not name.endswith(own_suffix):
-                    temps.append(name)
+                if own_suffix is not None and name.endswith(own_suffix):
+                    continue
+                # A directory under a temporary name is no write of ours: unlink
+                # cannot remove it, so it is left alone like any other stray.
+                (ignored if _is_dir(entry) else temps).append(name)
                 continue
             if key_of_file_name(name) is None:
                 if name != LOCK_FILE:
@@ -85,6 +88,13 @@ def list_dir(path: str, own_run_id: str | None = None) -> Listing:
             chunks.append((name, st.st_size, st.st_mtime_ns))
     chunks.sort(key=lambda c: (c[2], c[0]))
     return Listing(chunks, temps, ignored)
+
+
+def _is_dir(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir(follow_symlinks=False)
+    except OSError:
+        return False
 
 
 def read_ahead(path: str, entries: Iterable[tuple[str, int, int]]) -> None:

@@ -113,13 +113,20 @@ def test_lfu_buckets_relink_when_the_middle_empties() -> None:
     assert lfu.victims(3, always) == ["c", "b"]
 
 
-@given(st.lists(st.tuples(st.sampled_from(["ins", "acc", "rm"]), st.integers(0, 9)), max_size=80))
+OPS = st.sampled_from(["ins", "acc", "rm", "res"])
+
+
+@given(st.lists(st.tuples(OPS, st.integers(0, 9)), max_size=80))
 def test_lfu_matches_a_brute_force_model(ops: list[tuple[str, int]]) -> None:
     lfu = LFUPolicy()
     count: dict[int, int] = {}
     last: dict[int, int] = {}
     for t, (op, k) in enumerate(ops):
-        if op == "ins" or (op == "acc" and k in count):
+        if op == "res":
+            lfu.on_restore(k)
+            if k not in count:  # restored keys: used 0 times, in order of restoring
+                count[k], last[k] = 0, t
+        elif op == "ins" or (op == "acc" and k in count):
             (lfu.on_insert if op == "ins" else lfu.on_access)(k)
             count[k] = count.get(k, 0) + 1
             last[k] = t
@@ -153,3 +160,46 @@ def test_keys_can_be_any_hashable() -> None:
         policy.on_insert(k)
     policy.on_access(42)
     assert policy.victims(4, always) == [keys[0], keys[2], None, 42]
+
+
+@pytest.mark.parametrize(
+    ("name", "before", "after"),
+    [
+        # r1, r2 restored (oldest first), then the scripted run, then r2 used once.
+        ("lru", "r1 r2 b d a c e", "r1 b d a c e r2"),
+        ("mru", "e c a d b r2 r1", "r2 e c a d b r1"),  # the oldest go last
+        ("fifo", "r1 r2 a b c d e", "r1 r2 a b c d e"),  # arrival order only
+        ("lfu", "r1 r2 b d a e c", "r1 b d r2 a e c"),  # r2: from 0 uses to 1
+    ],
+)
+def test_restored_keys_go_before_this_runs_until_used(name: str, before: str, after: str) -> None:
+    policy = make_policy(name)
+    policy.on_restore("r1")
+    policy.on_restore("r2")
+    scripted(policy)
+    policy.on_restore("a")  # present: left where it is
+    assert len(policy) == 7 and "r1" in policy and "r2" in policy
+    assert list(policy) == before.split()
+    policy.on_access("r2")
+    assert list(policy) == after.split()
+    assert policy.victims(2, lambda k: k != "r1") == [k for k in after.split() if k != "r1"][:2]
+    policy.on_remove("r1")
+    policy.on_remove("r2")
+    assert len(policy) == 5 and "r1" not in policy
+    with pytest.raises(KeyError):
+        policy.on_remove("r1")
+    with pytest.raises(KeyError):
+        policy.on_access("r1")
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_a_restored_key_stored_again_counts_as_this_runs(name: str) -> None:
+    policy = make_policy(name)
+    policy.on_restore("old")
+    policy.on_insert("new")
+    policy.on_insert("old")  # written anew this run
+    policy.on_restore("new")  # stored this run: stays among this run's keys
+    assert len(policy) == 2
+    # FIFO keeps a key's first arrival, which for a restored key was before this run.
+    expected = {"lru": "new old", "mru": "old new", "fifo": "old new", "lfu": "new old"}
+    assert list(policy) == expected[name].split()
