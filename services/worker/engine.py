@@ -536,7 +536,13 @@ class KVEngine:
         do_pin = pin and lookup_id is not None
         n, per_tier, pinned = self.storage.prefix_hits(keys, pin=do_pin)
         if do_pin:
-            self.pins.hold(lookup_id, pinned)
+            if pinned:
+                self.pins.hold(lookup_id, pinned)
+            else:
+                # Nothing counted, nothing to hold: an entry would only sit in
+                # `pinned_lookups` until pin_timeout_s. A repeated lookup that now
+                # misses lets go of what its earlier one pinned, as hold() would.
+                self.pins.release(lookup_id)
         hit = chunks[n - 1][1] if n else 0
         by_tier: dict[str, int] = {}
         first = 0

@@ -238,7 +238,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self._scheduler is not None
-        self._scheduler.update_state_after_alloc(request, num_external_tokens)
+        self._scheduler.update_state_after_alloc(request, num_external_tokens, blocks)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None

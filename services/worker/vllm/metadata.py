@@ -20,6 +20,9 @@ class LoadOp:
     tokens: the prompt prefix whose chunks the lookup found (a whole number of
     chunks, so it may reach one token past what the scheduler counts as loaded).
     skip: leading tokens vLLM has already (a multiple of the chunk size).
+    local: the tokens vLLM computed itself (its prefix-cache hit, block-aligned;
+    >= skip). The chunk across it is loaded whole, but its blocks below `local` stay
+    valid when that load fails: they may be shared with other running requests.
     """
 
     req_id: str
@@ -27,6 +30,7 @@ class LoadOp:
     block_ids: list[int]
     skip: int = 0
     tenant: str = ""
+    local: int = 0
 
 
 @dataclass
@@ -45,9 +49,21 @@ class SaveOp:
 
 
 @dataclass
+class FailedLoad:
+    """A load the scheduler counted but could not plan: the worker reports the blocks
+    of tokens [first, end) as failed, so vLLM recomputes them."""
+
+    req_id: str
+    block_ids: list[int]
+    first: int
+    end: int
+
+
+@dataclass
 class KvmeshConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadOp] = field(default_factory=list)
     saves: list[SaveOp] = field(default_factory=list)
+    failed: list[FailedLoad] = field(default_factory=list)
 
 
 def token_tensor(tokens: list[int] | tuple[int, ...]) -> torch.Tensor:

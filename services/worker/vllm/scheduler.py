@@ -6,7 +6,8 @@ rank, minimum, with a deadline, pinning what was counted under the request id). 
 allocation, `update_state_after_alloc` records the load; `build_connector_meta` turns
 the step's scheduled requests into LoadOps (before the forward pass) and SaveOps (the
 prompt's chunks that this step completes). Nothing here may raise into vLLM's
-scheduler: any failure is logged and counted as a miss.
+scheduler: any failure is logged and counted as a miss, and a load vLLM already
+counted that cannot be planned has its blocks reported failed (recomputed).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kvmesh.common.config import EngineConfig
 from kvmesh.services.worker.lookup_client import LookupClient
 from kvmesh.services.worker.pd_receiver import hold_id
 from kvmesh.services.worker.vllm.metadata import (
+    FailedLoad,
     KvmeshConnectorMetadata,
     LoadOp,
     SaveOp,
@@ -48,6 +50,9 @@ class _Req:
     saved_upto: int = 0  # prompt tokens whose chunks are saved or planned
     pushed_upto: int = 0  # PD prefill: prompt tokens whose chunks are pushed or planned
     block_ids: list[int] = field(default_factory=list)
+    # The blocks vLLM allocated with a load counted (update_state_after_alloc): what is
+    # reported failed if the step's own block tables cannot be read.
+    alloc_blocks: list[int] = field(default_factory=list)
 
 
 class SchedulerSide:
@@ -115,7 +120,9 @@ class SchedulerSide:
             self.client.release(request.request_id)
         return external, False
 
-    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, num_external_tokens: int, blocks: Any = None
+    ) -> None:
         st = self._state(request)
         if num_external_tokens <= 0:
             st.load_end = 0
@@ -128,6 +135,7 @@ class SchedulerSide:
         st.load_end = min(st.hit, -(-counted_end // self.chunk) * self.chunk)
         st.external = num_external_tokens
         st.saved_upto = max(st.saved_upto, counted_end // self.chunk * self.chunk)
+        st.alloc_blocks = _first_group(blocks)
 
     # -- per step -----------------------------------------------------------------------
     def build_connector_meta(self, out: SchedulerOutput) -> KvmeshConnectorMetadata:
@@ -138,7 +146,7 @@ class SchedulerSide:
                 if st is None:
                     continue
                 st.block_ids = list(new.block_ids[0]) if new.block_ids else []
-                self._plan(st, meta, new.num_computed_tokens, out.num_scheduled_tokens)
+                self._plan_or_give_up(st, meta, new.num_computed_tokens, out.num_scheduled_tokens)
             cached = out.scheduled_cached_reqs
             for i, req_id in enumerate(cached.req_ids):
                 st = self._reqs.get(req_id)
@@ -149,14 +157,45 @@ class SchedulerSide:
                     st.block_ids = list(new_blocks[0]) if new_blocks else []
                 elif new_blocks:
                     st.block_ids.extend(new_blocks[0])
-                self._plan(st, meta, cached.num_computed_tokens[i], out.num_scheduled_tokens)
+                computed = cached.num_computed_tokens[i]
+                self._plan_or_give_up(st, meta, computed, out.num_scheduled_tokens)
         except Exception:
-            # A plan we cannot make is a plan without kvmesh: vLLM computes everything.
-            log.exception("kvmesh could not plan this step; skipping its loads and saves")
+            # The step's block tables are unknown: no request's blocks can be trusted
+            # for a save from now on. What was planned before stands (its tables were
+            # read); a load still due is reported failed in the blocks vLLM allocated
+            # for it, since vLLM counts its tokens as computed.
+            log.exception("kvmesh could not read this step; its requests go without kvmesh")
             for st in self._reqs.values():
-                st.load_end = 0
-            return KvmeshConnectorMetadata()
+                if st.load_end:
+                    req_id = st.request.request_id
+                    if st.alloc_blocks:
+                        meta.failed.append(
+                            FailedLoad(req_id, list(st.alloc_blocks), st.local, st.load_end)
+                        )
+                    else:
+                        log.error("kvmesh cannot report the load of %s as failed", req_id)
+                    st.external = 0
+                st.load_end, st.cacheable = 0, False
         return meta
+
+    def _plan_or_give_up(
+        self, st: _Req, meta: KvmeshConnectorMetadata, computed: int, scheduled: dict[str, int]
+    ) -> None:
+        loads, saves = len(meta.loads), len(meta.saves)
+        due = (st.local, st.load_end)
+        try:
+            self._plan(st, meta, computed, scheduled)
+        except Exception:
+            log.exception(
+                "kvmesh could not plan %s; it goes on without kvmesh", st.request.request_id
+            )
+            del meta.loads[loads:], meta.saves[saves:]
+            st.load_end, st.cacheable = 0, False
+            st.external = 0  # nothing was loaded: not reported as a hit
+            if due[1]:
+                # vLLM counts the tokens of this load as computed: its blocks must be
+                # reported failed (recomputed), never read as they are.
+                meta.failed.append(FailedLoad(st.request.request_id, list(st.block_ids), *due))
 
     def _plan(
         self, st: _Req, meta: KvmeshConnectorMetadata, computed: int, scheduled: dict[str, int]
@@ -172,6 +211,7 @@ class SchedulerSide:
                     list(st.block_ids),
                     skip,
                     st.options.tenant,
+                    st.local,
                 )
             )
             st.load_end = 0
@@ -228,3 +268,14 @@ class SchedulerSide:
 
     def close(self) -> None:
         self.client.close()
+
+
+def _first_group(blocks: Any) -> list[int]:
+    """The block ids of vLLM's KVCacheBlocks (its first and only KV cache group), or
+    none when there is nothing readable."""
+    if blocks is None:
+        return []
+    try:
+        return list(blocks.get_block_ids()[0])
+    except Exception:
+        return []

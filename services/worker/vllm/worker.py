@@ -95,6 +95,9 @@ class WorkerSide:
         self._loads: list[_LayerwiseLoad] = []
         self._saves: list[_LayerwiseSave] | None = None
         self._failed_blocks: set[int] = set()
+        # Requests whose load failed this step: their KV computed in it rests on blocks
+        # the load did not fill, so nothing of it is saved (it would be served later).
+        self._failed_reqs: set[str] = set()
         self._events = EventTranslator(engine_config.chunk_size) if events_enabled else None
 
     # -- set-up -------------------------------------------------------------------------
@@ -123,6 +126,11 @@ class WorkerSide:
         self._meta = meta
         self._loads = []
         self._saves = None
+        self._failed_reqs = set()
+        for failed in meta.failed:
+            self._failed_reqs.add(failed.req_id)
+            first = failed.first // self.block_size
+            self._failed_blocks.update(failed.block_ids[first : -(-failed.end // self.block_size)])
 
     def end_step(self) -> None:
         self._finish_loads()
@@ -172,6 +180,8 @@ class WorkerSide:
         if self._saves is None:
             self._saves = []
             for op in meta.saves:
+                if self._skip_save(op):
+                    continue
                 try:
                     gen = self._save_gen(engine, op, layerwise=True)
                 except Exception:
@@ -194,6 +204,8 @@ class WorkerSide:
             self._saves = []
             return
         for op in meta.saves:
+            if self._skip_save(op):
+                continue
             try:
                 with _request(op.req_id):
                     self._save(engine, op)
@@ -264,6 +276,13 @@ class WorkerSide:
         return loaded
 
     def _step_save(self, save: _LayerwiseSave, index: int | None) -> None:
+        if save.req_id in self._failed_reqs and not save.finished:
+            # Its load failed at a layer after this save began: the chunks it holds
+            # are dropped, not committed.
+            log.warning("kvmesh save of %s dropped: its load failed", save.req_id)
+            save.finished = True
+            save.gen.close()
+            return
         try:
             while not save.finished and (index is None or save.layers_done <= index):
                 try:
@@ -303,9 +322,19 @@ class WorkerSide:
             self._fail_from(op, first)
 
     def _fail_from(self, op: LoadOp, first_token: int) -> None:
-        first_block = first_token // self.block_size
+        # Blocks below op.local are vLLM's own prefix-cache hit, valid whatever this
+        # load did (it writes them only with the same tokens' KV) and maybe shared:
+        # reporting one would make vLLM roll back every running request holding it.
+        first_block = max(first_token, op.local) // self.block_size
         last_block = -(-len(op.tokens) // self.block_size)
         self._failed_blocks.update(op.block_ids[first_block:last_block])
+        self._failed_reqs.add(op.req_id)
+
+    def _skip_save(self, op: SaveOp) -> bool:
+        if op.req_id not in self._failed_reqs:
+            return False
+        log.warning("kvmesh save of %s skipped: its load failed this step", op.req_id)
+        return True
 
     def _note_saved(self, op: object) -> None:
         if self._events is not None:

@@ -230,6 +230,20 @@ def test_release_lookup_unpins(cpu_engine) -> None:
     assert eng.clear() == 2
 
 
+def test_a_lookup_that_pins_nothing_holds_no_entry(cpu_engine) -> None:
+    eng, _, _ = cpu_engine
+    prompt = tokens(16)
+    assert eng.lookup(prompt, "cold") == 0
+    assert "cold" not in eng.pins and len(eng.pins) == 0  # not in pinned_lookups
+    eng.store(prompt, torch.randperm(SLOTS)[:16])
+    assert eng.lookup(prompt, "again") == 16
+    assert "again" in eng.pins and eng.clear() == 0
+    # The same id asked again, for a prompt now missing: the earlier pins go.
+    assert eng.lookup(tokens(16, 9), "again") == 0
+    assert "again" not in eng.pins
+    assert eng.clear() == 2
+
+
 def test_clear_by_tokens_and_by_tier(cpu_engine) -> None:
     eng, _, _ = cpu_engine
     a, b = tokens(16, 1), tokens(16, 2)
