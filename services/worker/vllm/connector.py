@@ -56,6 +56,20 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvmesh.connector")
 
 
+def check_one_kv_cache_group(kv_cache_config: Any) -> None:
+    """Refuse a model whose layers keep their KV in more than one KV cache group
+    (hybrid: sliding-window beside full attention, or Mamba layers). Their blocks
+    differ per group, and kvmesh loads and saves every layer by the first group's
+    block table: it would write KV into the wrong blocks."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if groups is not None and len(groups) > 1:
+        raise ValueError(
+            f"kvmesh supports models with one KV cache group; this one has {len(groups)} "
+            "(a hybrid model: sliding-window, chunked-local or Mamba layers beside full "
+            "attention). Serve it without the kvmesh connector."
+        )
+
+
 def instance_id_for(vllm_config: VllmConfig, configured: str | None) -> str:
     """The configured id, else vLLM's engine id (shared by the scheduler and its
     workers), per data-parallel rank."""
@@ -90,6 +104,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        check_one_kv_cache_group(kv_cache_config)
         kvt = self._kv_transfer_config
         options, cfg = parse_extra_config(kvt.kv_connector_extra_config)
         self.kvmesh_config = cfg

@@ -243,3 +243,15 @@ def test_a_step_that_cannot_be_read_keeps_its_plan_and_fails_the_loads_left(
     assert {5, 6, 7, 8} <= run_step(w, meta, [])
     # neither goes on with kvmesh: no further saves from tables not trusted
     assert s.build_connector_meta(cached_step("a", [12], 100, 1, False)).saves == []
+
+
+def test_a_hybrid_model_is_refused_at_start() -> None:
+    """kvmesh scatters every layer by the first KV cache group's block table: with a
+    second group (sliding-window or Mamba layers) it would write KV into the wrong
+    blocks, so the connector refuses such a model with a clear message."""
+    from kvmesh.services.worker.vllm.connector import check_one_kv_cache_group
+
+    check_one_kv_cache_group(None)  # no config given: nothing to check
+    check_one_kv_cache_group(SimpleNamespace(kv_cache_groups=["full"]))
+    with pytest.raises(ValueError, match="one KV cache group; this one has 2"):
+        check_one_kv_cache_group(SimpleNamespace(kv_cache_groups=["full", "sliding"]))
