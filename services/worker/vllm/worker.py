@@ -53,6 +53,7 @@ class _LayerwiseSave:
     layers_done: int = 0
     finished: bool = False
     req_id: str = ""
+    blocks: frozenset[int] = frozenset()  # the blocks its chunks were computed over
 
 
 def layer_order(names: list[str]) -> dict[str, int]:
@@ -95,9 +96,11 @@ class WorkerSide:
         self._loads: list[_LayerwiseLoad] = []
         self._saves: list[_LayerwiseSave] | None = None
         self._failed_blocks: set[int] = set()
-        # Requests whose load failed this step: their KV computed in it rests on blocks
-        # the load did not fill, so nothing of it is saved (it would be served later).
+        # Requests whose load failed this step, and the blocks it reported: KV computed
+        # in this step over those blocks (the request's own, or another request's that
+        # shares them through vLLM's prefix cache) is never saved: it would be served.
         self._failed_reqs: set[str] = set()
+        self._bad_blocks: set[int] = set()
         self._events = EventTranslator(engine_config.chunk_size) if events_enabled else None
 
     # -- set-up -------------------------------------------------------------------------
@@ -126,11 +129,13 @@ class WorkerSide:
         self._meta = meta
         self._loads = []
         self._saves = None
-        self._failed_reqs = set()
+        self._failed_reqs, self._bad_blocks = set(), set()
         for failed in meta.failed:
             self._failed_reqs.add(failed.req_id)
             first = failed.first // self.block_size
-            self._failed_blocks.update(failed.block_ids[first : -(-failed.end // self.block_size)])
+            bad = failed.block_ids[first : -(-failed.end // self.block_size)]
+            self._failed_blocks.update(bad)
+            self._bad_blocks.update(bad)
 
     def end_step(self) -> None:
         self._finish_loads()
@@ -187,7 +192,7 @@ class WorkerSide:
                 except Exception:
                     log.exception("kvmesh save of %s not started", op.req_id)
                     continue
-                self._saves.append(_LayerwiseSave(gen, req_id=op.req_id))
+                self._saves.append(_LayerwiseSave(gen, req_id=op.req_id, blocks=self._over(op)))
                 self._note_saved(op)
         index = self._layers.get(layer_name)
         for save in self._saves:
@@ -276,10 +281,12 @@ class WorkerSide:
         return loaded
 
     def _step_save(self, save: _LayerwiseSave, index: int | None) -> None:
-        if save.req_id in self._failed_reqs and not save.finished:
+        if not save.finished and (
+            save.req_id in self._failed_reqs or not self._bad_blocks.isdisjoint(save.blocks)
+        ):
             # Its load failed at a layer after this save began: the chunks it holds
             # are dropped, not committed.
-            log.warning("kvmesh save of %s dropped: its load failed", save.req_id)
+            log.warning("kvmesh save of %s dropped: a load it rests on failed", save.req_id)
             save.finished = True
             save.gen.close()
             return
@@ -327,13 +334,19 @@ class WorkerSide:
         # reporting one would make vLLM roll back every running request holding it.
         first_block = max(first_token, op.local) // self.block_size
         last_block = -(-len(op.tokens) // self.block_size)
-        self._failed_blocks.update(op.block_ids[first_block:last_block])
+        bad = op.block_ids[first_block:last_block]
+        self._failed_blocks.update(bad)
+        self._bad_blocks.update(bad)
         self._failed_reqs.add(op.req_id)
 
+    def _over(self, op: SaveOp) -> frozenset[int]:
+        """The blocks whose KV op's chunks were computed over: all before its end."""
+        return frozenset(op.block_ids[: -(-len(op.tokens) // self.block_size)])
+
     def _skip_save(self, op: SaveOp) -> bool:
-        if op.req_id not in self._failed_reqs:
+        if op.req_id not in self._failed_reqs and self._bad_blocks.isdisjoint(self._over(op)):
             return False
-        log.warning("kvmesh save of %s skipped: its load failed this step", op.req_id)
+        log.warning("kvmesh save of %s skipped: a load it rests on failed this step", op.req_id)
         return True
 
     def _note_saved(self, op: object) -> None:

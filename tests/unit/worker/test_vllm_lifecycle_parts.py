@@ -8,6 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 from test_vllm_connector_parts import (
     CHUNK,
     FakeClient,
@@ -255,3 +256,29 @@ def test_a_hybrid_model_is_refused_at_start() -> None:
     check_one_kv_cache_group(SimpleNamespace(kv_cache_groups=["full"]))
     with pytest.raises(ValueError, match="one KV cache group; this one has 2"):
         check_one_kv_cache_group(SimpleNamespace(kv_cache_groups=["full", "sliding"]))
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+def test_a_save_over_blocks_whose_load_failed_is_not_stored(workers, layerwise: bool) -> None:  # noqa: F811
+    """vLLM caches a loading request's blocks at once, so a request B scheduled in the
+    same step can share them through its prefix cache. When A's load fails there, B's
+    next chunk was computed over those blocks too: vLLM rolls B back, and kvmesh must
+    not store that chunk (found by review; it was stored and later served)."""
+    caches = paged()
+    names = sorted(caches)
+    w = workers(layerwise=layerwise)
+    w.register_kv_caches(caches)
+    run_step(w, KvmeshConnectorMetadata(saves=[SaveOp("s", tokens(32), [0, 5])]), names)
+    b_tokens = torch.cat([tokens(64), tokens(32) + 5000])
+    meta = KvmeshConnectorMetadata(
+        loads=[LoadOp("a", tokens(64), [1, 2, 3, 4, 6, 7])],  # fails from token 32
+        saves=[SaveOp("b", b_tokens, [1, 2, 3, 4, 8, 9], 64)],  # shares blocks 1-4
+    )
+    assert run_step(w, meta, names) == {3, 4}
+    eng = w.engine
+    keys = [k for _, _, k in eng.chunks(b_tokens)]
+    assert eng.storage.l1.batched_contains(keys[2:]) == 0
+    run_step(
+        w, KvmeshConnectorMetadata(saves=[SaveOp("x", tokens(64), [10, 11, 12, 14], 32)]), names
+    )
+    assert eng.lookup(b_tokens) == 64
