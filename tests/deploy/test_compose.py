@@ -288,6 +288,9 @@ def test_cacheserver_restart_under_load(mesh: dict[str, str]) -> None:
     # repeat hits.
     _run([*COMPOSE, "exec", "-T", "cacheserver", "kvmesh", "probe",
           "http://127.0.0.1:7622/healthz"], mesh, 60)  # fmt: skip
+    # The worker finds the store back at its next health ping: a prompt stored before
+    # that has its remote puts dropped (result "down"), by design.
+    wait_for(lambda: metric(metrics(WORKER_METRICS), "kvmesh_remote_up") >= 1, 60)
     prompt = prompt_tokens(1200, seed=12)
     before = hit_tokens()
     complete(prompt)
@@ -297,7 +300,12 @@ def test_cacheserver_restart_under_load(mesh: dict[str, str]) -> None:
         name = "kvmesh_cacheserver_requests_total"
         return metric(values, name, op="put") + metric(values, name, op="mput") > 0
 
-    wait_for(stored_remotely, 60)
+    try:
+        wait_for(stored_remotely, 60)
+    except AssertionError:
+        worker = metrics(WORKER_METRICS)
+        puts = {k: v for k, v in worker.items() if k.startswith("kvmesh_remote_puts_total")}
+        raise AssertionError(f"no put reached the restarted cache-server; worker: {puts}") from None
     complete(prompt)
     assert hit_tokens() - before >= 4 * 256
 
