@@ -6,6 +6,7 @@ the server's value limit (each a dropped put, never a remote marked down)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import socket
@@ -237,6 +238,45 @@ def _key(i: int) -> ChunkKey:
     return ChunkKey(NS, i.to_bytes(16, "little"))
 
 
+class _Tier:
+    """A remote tier on its own loop over connector, with a host pool for its chunks;
+    chunk(tokens, fill) allocates one (freed with the rest at the end)."""
+
+    def __init__(self, connector, url: str, pool_bytes: int, page_bytes: int) -> None:
+        self.loop = LoopThread("audit-remote")
+        self.pool = HostMemoryPool(pool_bytes, page_bytes, pin_memory=False)
+        config = RemoteConfig(
+            enabled=True, url=url, timeout_s=3.0, health_interval_s=0.2, failures_to_down=2
+        )
+        self.tier = RemoteTier(connector, self.loop, config)
+        self._objs: list = []
+
+    def chunk(self, tokens: int, fill: int):
+        obj = self.pool.allocate(
+            torch.Size([2, 2, tokens, 64]), torch.float16, MemoryFormat.KV_2LTD
+        )
+        obj.raw.fill_(fill)
+        self._objs.append(obj)
+        return obj
+
+    def close(self) -> None:
+        self.tier.close()
+        self.loop.stop()
+        for obj in self._objs:
+            obj.ref_down()
+        self.pool.close()
+
+
+@contextlib.contextmanager
+def remote_tier(connector, url: str, pool_bytes: int, page_bytes: int) -> Iterator[_Tier]:
+    t = _Tier(connector, url, pool_bytes, page_bytes)
+    try:
+        assert t.tier.wait_ready(5)
+        yield t
+    finally:
+        t.close()
+
+
 def test_chunks_over_the_servers_value_limit_are_dropped_and_the_tier_stays_up(
     tmp_path: Path,
 ) -> None:
@@ -245,53 +285,35 @@ def test_chunks_over_the_servers_value_limit_are_dropped_and_the_tier_stays_up(
     (max_value_size + 8 MiB) dropped the connection at once, with every request on it."""
     srv = CacheServerProcess(tmp_path, **{"max-memory": "16MiB", "max-value-size": "64KiB"})
     srv.start()
-    loop = LoopThread("audit-remote")
-    pool = HostMemoryPool(64 * MiB, 16 * MiB, pin_memory=False)
-    config = RemoteConfig(
-        enabled=True, url=srv.url, timeout_s=3.0, health_interval_s=0.2, failures_to_down=2
-    )
     connector = make_connector(srv.url, timeout_s=3.0)
-    tier = RemoteTier(connector, loop, config)
-    objs = []
-
-    def chunk(tokens: int, fill: int):
-        obj = pool.allocate(torch.Size([2, 2, tokens, 64]), torch.float16, MemoryFormat.KV_2LTD)
-        obj.raw.fill_(fill)
-        objs.append(obj)
-        return obj
-
     try:
-        assert tier.wait_ready(5)
-        small = chunk(16, 1)  # 8 KiB
-        tier.submit_put(_key(0), small)
-        assert tier.flush(5)
-        over = chunk(512, 2)  # 256 KiB: the server answers VALUE_TOO_LARGE
-        past_frame = chunk(32768, 3)  # 16 MiB: past the server's frame limit
-        for i in range(1, 4):
-            tier.submit_put(_key(i), over)
-            tier.submit_put(_key(10 + i), past_frame)
-        assert tier.flush(10)
-        # A client that has not learnt the limit (it changed since the hello): the
-        # server's refusal is a dropped put too.
-        assert connector.client is not None
-        connector.client.max_value_size = 0
-        tier.submit_put(_key(4), over)
-        assert tier.flush(5)
-        m = tier.stats.metrics
-        assert tier.up and m.value("remote_state_changes_total", {"to": "down"}) == 0
-        assert connector.client.disconnects == 0
-        assert m.value("remote_puts_total", {"result": "too_large"}) == 7
-        assert m.value("remote_puts_total", {"result": "error"}) == 0
-        assert tier.presence.get(_key(0)) is True  # what it knew of the store holds
-        got = tier.get(_key(0), pool)
-        assert got is not None and torch.equal(got.raw, small.raw)
-        got.ref_down()
+        with remote_tier(connector, srv.url, 64 * MiB, 16 * MiB) as t:
+            tier = t.tier
+            small = t.chunk(16, 1)  # 8 KiB
+            tier.submit_put(_key(0), small)
+            assert tier.flush(5)
+            over = t.chunk(512, 2)  # 256 KiB: the server answers VALUE_TOO_LARGE
+            past_frame = t.chunk(32768, 3)  # 16 MiB: past the server's frame limit
+            for i in range(1, 4):
+                tier.submit_put(_key(i), over)
+                tier.submit_put(_key(10 + i), past_frame)
+            assert tier.flush(10)
+            # A client that has not learnt the limit (it changed since the hello): the
+            # server's refusal is a dropped put too.
+            assert connector.client is not None
+            connector.client.max_value_size = 0
+            tier.submit_put(_key(4), over)
+            assert tier.flush(5)
+            m = tier.stats.metrics
+            assert tier.up and m.value("remote_state_changes_total", {"to": "down"}) == 0
+            assert connector.client.disconnects == 0
+            assert m.value("remote_puts_total", {"result": "too_large"}) == 7
+            assert m.value("remote_puts_total", {"result": "error"}) == 0
+            assert tier.presence.get(_key(0)) is True  # what it knew of the store holds
+            got = tier.get(_key(0), t.pool)
+            assert got is not None and torch.equal(got.raw, small.raw)
+            got.ref_down()
     finally:
-        tier.close()
-        loop.stop()
-        for obj in objs:
-            obj.ref_down()
-        pool.close()
         assert srv.stop() == 0
 
 
@@ -299,26 +321,12 @@ def test_chunks_over_the_servers_value_limit_are_dropped_and_the_tier_stays_up(
 def test_a_full_fs_store_drops_puts_and_keeps_serving_gets(tmp_path: Path) -> None:
     """ENOSPC on every put counted as a failure of the store: three in a row marked the
     tier down, and the chunks already there, which still read, all missed."""
-    loop = LoopThread("audit-fs")
-    pool = HostMemoryPool(8 * MiB, 64 * 1024, pin_memory=False)
     url = f"fs://{tmp_path}"
-    config = RemoteConfig(
-        enabled=True, url=url, timeout_s=3.0, health_interval_s=0.2, failures_to_down=2
-    )
     connector = make_connector(url)
     assert isinstance(connector, FsConnector)
-    tier = RemoteTier(connector, loop, config)
-    objs = []
-
-    def chunk(fill: int):
-        obj = pool.allocate(torch.Size([2, 2, 16, 64]), torch.float16, MemoryFormat.KV_2LTD)
-        obj.raw.fill_(fill)
-        objs.append(obj)
-        return obj
-
-    try:
-        assert tier.wait_ready(5)
-        stored = chunk(1)
+    with remote_tier(connector, url, 8 * MiB, 64 * 1024) as t:
+        tier = t.tier
+        stored = t.chunk(16, 1)
         tier.submit_put(_key(0), stored)
         assert tier.flush(5)
         # The next writes' temporary files lead to /dev/full: ENOSPC, as on a full disk.
@@ -328,22 +336,16 @@ def test_a_full_fs_store_drops_puts_and_keeps_serving_gets(tmp_path: Path) -> No
             name = f".{_key(i).to_str()}.{first + n}.{connector._run}{disk_format.TEMP_SUFFIX}"
             (tmp_path / NS / name).symlink_to("/dev/full")
         for i in range(1, 5):
-            tier.submit_put(_key(i), chunk(1 + i))
+            tier.submit_put(_key(i), t.chunk(16, 1 + i))
             assert tier.flush(5)
         m = tier.stats.metrics
         assert tier.up and m.value("remote_state_changes_total", {"to": "down"}) == 0
-        got = tier.get(_key(0), pool)
+        got = tier.get(_key(0), t.pool)
         assert got is not None and torch.equal(got.raw, stored.raw)
         got.ref_down()
-        assert tier.get(_key(1), pool) is None
+        assert tier.get(_key(1), t.pool) is None
         assert m.value("remote_puts_total", {"result": "store_full"}) == 4
         assert m.value("remote_puts_total", {"result": "error"}) == 0
-    finally:
-        tier.close()
-        loop.stop()
-        for obj in objs:
-            obj.ref_down()
-        pool.close()
 
 
 def test_a_redis_at_maxmemory_drops_puts_and_keeps_serving_gets(tmp_path: Path) -> None:
@@ -353,34 +355,22 @@ def test_a_redis_at_maxmemory_drops_puts_and_keeps_serving_gets(tmp_path: Path) 
     redis = RedisProcess(tmp_path)
     redis.cmd += ["--maxmemory", "3mb", "--maxmemory-policy", "noeviction"]
     redis.start()
-    loop = LoopThread("audit-redis")
-    pool = HostMemoryPool(8 * MiB, 256 * 1024, pin_memory=False)
-    config = RemoteConfig(
-        enabled=True, url=redis.url, timeout_s=3.0, health_interval_s=0.2, failures_to_down=2
-    )
-    tier = RemoteTier(make_connector(redis.url, timeout_s=3.0), loop, config)
-    objs = []
     try:
-        assert tier.wait_ready(5)
-        for i in range(16):  # 256 KiB each: 4 MiB > 3 MiB
-            obj = pool.allocate(torch.Size([2, 2, 512, 64]), torch.float16, MemoryFormat.KV_2LTD)
-            obj.raw.fill_(i)
-            objs.append(obj)
-            tier.submit_put(_key(i), obj)
-            assert tier.flush(5)
-        m = tier.stats.metrics
-        assert tier.up and m.value("remote_state_changes_total", {"to": "down"}) == 0
-        got = tier.get(_key(0), pool)
-        assert got is not None and torch.equal(got.raw, objs[0].raw)
-        got.ref_down()
-        assert m.value("remote_puts_total", {"result": "store_full"}) > 0
-        assert m.value("remote_puts_total", {"result": "error"}) == 0
+        connector = make_connector(redis.url, timeout_s=3.0)
+        with remote_tier(connector, redis.url, 8 * MiB, 256 * 1024) as t:
+            tier = t.tier
+            objs = [t.chunk(512, i) for i in range(16)]  # 256 KiB each: 4 MiB > 3 MiB
+            for i, obj in enumerate(objs):
+                tier.submit_put(_key(i), obj)
+                assert tier.flush(5)
+            m = tier.stats.metrics
+            assert tier.up and m.value("remote_state_changes_total", {"to": "down"}) == 0
+            got = tier.get(_key(0), t.pool)
+            assert got is not None and torch.equal(got.raw, objs[0].raw)
+            got.ref_down()
+            assert m.value("remote_puts_total", {"result": "store_full"}) > 0
+            assert m.value("remote_puts_total", {"result": "error"}) == 0
     finally:
-        tier.close()
-        loop.stop()
-        for obj in objs:
-            obj.ref_down()
-        pool.close()
         redis.stop()
 
 

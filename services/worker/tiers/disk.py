@@ -320,8 +320,8 @@ class DiskTier:
             for f in batch:
                 if f.ok:
                     assert f.header is not None
-                    key, h = f.header.key, f.header
-                    if self._gone is not None and key in self._gone:
+                    key = f.header.key
+                    if self._deleted_since_scan(key):
                         continue  # deleted (or replaced and deleted) since the scan
                     held = self._index.get(key)
                     if held is not None:
@@ -331,9 +331,7 @@ class DiskTier:
                         if held.state is not _State.READY:
                             self._shadowed[key] = f
                         continue
-                    self._index[key] = _Entry(
-                        _State.READY, f.size, h.shape, h.dtype, h.fmt, found=True
-                    )
+                    self._index[key] = _found_entry(f)
                     # Before the chunks this run stored: on a full directory those are
                     # the ones to keep (they were evicted first, every one of them).
                     self._policy.on_restore(key)
@@ -345,9 +343,7 @@ class DiskTier:
                 # The name's key, not the header's (a misplaced file may name another):
                 # the file unlinked below is that name's.
                 key = key_of_file_name(f.name)
-                if key is not None and (
-                    key in self._index or (self._gone is not None and key in self._gone)
-                ):
+                if key is not None and (key in self._index or self._deleted_since_scan(key)):
                     continue  # a fresh write owns that name now, or the tier deleted it
                 holder = None
                 if key is not None:
@@ -605,6 +601,10 @@ class DiskTier:
             self._start_reindex()  # the directory became usable after a failed start
         self._update_gauges()
 
+    def _deleted_since_scan(self, key: ChunkKey) -> bool:
+        """Whether this tier deleted key's file while the re-index runs (under _lock)."""
+        return self._gone is not None and key in self._gone
+
     def _restore_shadowed_locked(self, key: ChunkKey, entry: _Entry) -> _Entry | None:
         """A write of key failed: the older file the re-index found under key (skipped
         for the write) is still there, so it is indexed after all; or, if the chunk was
@@ -612,9 +612,7 @@ class DiskTier:
         f = self._shadowed.pop(key, None)
         if f is None or f.header is None or key in self._index or self._closed:
             return None
-        h = f.header
-        old = _Entry(_State.READY, f.size, h.shape, h.dtype, h.fmt, found=True)
-        self._index[key] = old
+        old = self._index[key] = _found_entry(f)
         self._used += f.size
         if entry.state is _State.DELETING:
             old.state = _State.DELETING
@@ -701,8 +699,7 @@ class DiskTier:
                 entry.readers += 1
                 self._policy.on_access(key)
         if entry is None:
-            self.stats.gets["miss"].inc()
-            self.misses.count_absent(key)
+            self._miss_absent(key)
             return None
         fn = self._read if verify else self._read_bytes
         try:
@@ -803,8 +800,7 @@ class DiskTier:
             if isinstance(exc, FileNotFoundError) and self._removed_since(key, entry):
                 # Removed after the read was queued, its file deleted before the open:
                 # a plain miss, not an I/O error of the disk.
-                self.stats.gets["miss"].inc()
-                self.misses.count_absent(key)
+                self._miss_absent(key)
                 return None
             self.stats.io_errors["read"].inc()
             self.stats.gets["error"].inc()
@@ -814,6 +810,10 @@ class DiskTier:
         # The header buffer is this I/O thread's, reused by its next read: the check,
         # on another thread, gets a copy (4 KiB).
         return _Landed(key, entry, obj, memoryview(hdr.tobytes()), payload, n, t0, renaming)
+
+    def _miss_absent(self, key: ChunkKey) -> None:
+        self.stats.gets["miss"].inc()
+        self.misses.count_absent(key)
 
     def _removed_since(self, key: ChunkKey, entry: _Entry) -> bool:
         with self._lock:
@@ -1125,6 +1125,13 @@ class _Landed:
     n: int
     t0: float
     renaming: bool  # opened while a rewrite renamed the entry's file into place
+
+
+def _found_entry(f: ScannedFile) -> _Entry:
+    """The entry of a chunk file the re-index checked (its header is known good)."""
+    h = f.header
+    assert h is not None
+    return _Entry(_State.READY, f.size, h.shape, h.dtype, h.fmt, found=True)
 
 
 def _cancelled_by_pool(fut: concurrent.futures.Future) -> bool:

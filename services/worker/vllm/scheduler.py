@@ -166,23 +166,13 @@ class SchedulerSide:
             # for it, since vLLM counts its tokens as computed.
             log.exception("kvmesh could not read this step; its requests go without kvmesh")
             for st in self._reqs.values():
-                if st.load_end:
-                    req_id = st.request.request_id
-                    if st.alloc_blocks:
-                        meta.failed.append(
-                            FailedLoad(req_id, list(st.alloc_blocks), st.local, st.load_end)
-                        )
-                    else:
-                        log.error("kvmesh cannot report the load of %s as failed", req_id)
-                    st.external = 0
-                st.load_end, st.cacheable = 0, False
+                self._give_up(st, meta, st.alloc_blocks, st.load_end)
         return meta
 
     def _plan_or_give_up(
         self, st: _Req, meta: KvmeshConnectorMetadata, computed: int, scheduled: dict[str, int]
     ) -> None:
-        loads, saves = len(meta.loads), len(meta.saves)
-        due = (st.local, st.load_end)
+        loads, saves, load_end = len(meta.loads), len(meta.saves), st.load_end
         try:
             self._plan(st, meta, computed, scheduled)
         except Exception:
@@ -190,12 +180,21 @@ class SchedulerSide:
                 "kvmesh could not plan %s; it goes on without kvmesh", st.request.request_id
             )
             del meta.loads[loads:], meta.saves[saves:]
-            st.load_end, st.cacheable = 0, False
-            st.external = 0  # nothing was loaded: not reported as a hit
-            if due[1]:
-                # vLLM counts the tokens of this load as computed: its blocks must be
-                # reported failed (recomputed), never read as they are.
-                meta.failed.append(FailedLoad(st.request.request_id, list(st.block_ids), *due))
+            self._give_up(st, meta, st.block_ids, load_end)
+
+    @staticmethod
+    def _give_up(st: _Req, meta: KvmeshConnectorMetadata, blocks: list[int], load_end: int) -> None:
+        """st goes on without kvmesh. A load still due (load_end > 0) is reported failed
+        in blocks: vLLM counts its tokens as computed, so they must be recomputed, never
+        read as they are; and it is no hit."""
+        if load_end:
+            req_id = st.request.request_id
+            if blocks:
+                meta.failed.append(FailedLoad(req_id, list(blocks), st.local, load_end))
+            else:
+                log.error("kvmesh cannot report the load of %s as failed", req_id)
+            st.external = 0
+        st.load_end, st.cacheable = 0, False
 
     def _plan(
         self, st: _Req, meta: KvmeshConnectorMetadata, computed: int, scheduled: dict[str, int]

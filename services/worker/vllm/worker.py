@@ -131,11 +131,7 @@ class WorkerSide:
         self._saves = None
         self._failed_reqs, self._bad_blocks = set(), set()
         for failed in meta.failed:
-            self._failed_reqs.add(failed.req_id)
-            first = failed.first // self.block_size
-            bad = failed.block_ids[first : -(-failed.end // self.block_size)]
-            self._failed_blocks.update(bad)
-            self._bad_blocks.update(bad)
+            self._report_failed(failed.req_id, failed.block_ids, failed.first, failed.end)
 
     def end_step(self) -> None:
         self._finish_loads()
@@ -332,12 +328,15 @@ class WorkerSide:
         # Blocks below op.local are vLLM's own prefix-cache hit, valid whatever this
         # load did (it writes them only with the same tokens' KV) and maybe shared:
         # reporting one would make vLLM roll back every running request holding it.
-        first_block = max(first_token, op.local) // self.block_size
-        last_block = -(-len(op.tokens) // self.block_size)
-        bad = op.block_ids[first_block:last_block]
+        self._report_failed(op.req_id, op.block_ids, max(first_token, op.local), len(op.tokens))
+
+    def _report_failed(self, req_id: str, block_ids: list[int], first: int, end: int) -> None:
+        """Tokens [first, end) of req_id did not load: their blocks go to vLLM as failed,
+        and nothing computed over them this step is saved."""
+        bad = block_ids[first // self.block_size : -(-end // self.block_size)]
         self._failed_blocks.update(bad)
         self._bad_blocks.update(bad)
-        self._failed_reqs.add(op.req_id)
+        self._failed_reqs.add(req_id)
 
     def _over(self, op: SaveOp) -> frozenset[int]:
         """The blocks whose KV op's chunks were computed over: all before its end."""
