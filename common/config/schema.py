@@ -257,6 +257,8 @@ class PDConfig(_Section):
 
 
 BUILTIN_TIER_NAMES = ("l1", "p2p", "disk", "remote")
+# engine.model_name when not set: the vLLM connector then names the weights it loads.
+UNSET_MODEL_NAME = "unknown"
 
 
 class TierPluginConfig(_Section):
@@ -284,7 +286,7 @@ class EngineConfig(_Section):
     chunk_size: PositiveInt = 256
     save_unfull_chunk: bool = False
     hash_algorithm: HashAlgorithm = "xxh3_128"
-    model_name: str = "unknown"
+    model_name: str = UNSET_MODEL_NAME
     tenant_salt: str = ""
     l1: L1Config = L1Config()
     disk: DiskConfig = DiskConfig()

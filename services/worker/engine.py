@@ -190,6 +190,7 @@ class KVEngine:
             instance=instance_id,
             rank=rank,
             namespace=self.namespace.ns_id,
+            model=self.namespace.model,
             l1_bytes=self.pool.capacity_bytes,
             page_bytes=self.pool.page_size,
             mla=self.is_mla,

@@ -106,3 +106,22 @@ def test_cacheserver_killed_while_b_runs_only_makes_b_recompute(
         assert after_kill.seconds < 1.0 + 5 * a.steps[1].seconds + 2.0
     finally:
         server.stop()
+
+
+def test_weights_changed_by_hf_overrides_never_share_chunks(tiny_model, tmp_path: Path) -> None:
+    """The same weights with another rotary base (vLLM's hf_overrides) compute other K:
+    B, so configured, must not load what A stored under the same path, and stores its
+    own; a fresh C with B's overrides loads B's."""
+    conn = connector_config(disk={"enabled": True, "path": str(tmp_path), "max_size": "64MiB"})
+    rope = {"hf_overrides": {"rope_parameters": {"rope_theta": 50000.0, "rope_type": "default"}}}
+    a = run_session(tiny_model, [Step(P)], connector=conn)
+    b = run_session(tiny_model, [Step(P)], connector=b_config(conn), llm_kwargs=rope)
+    c = run_session(tiny_model, [Step(P)], connector=b_config(b_config(conn)), llm_kwargs=rope)
+    assert a.steps[0].kvmesh["saved_tokens"] == 768
+    assert b.steps[0].hit_tokens == 0 and b.steps[0].kvmesh["saved_tokens"] == 768
+    # A hit would have been wrong: the two variants answer differently.
+    assert b.steps[0].logprobs[0] != a.steps[0].logprobs[0]
+    assert c.steps[0].hit_tokens == 768
+    assert c.steps[0].output_tokens == b.steps[0].output_tokens
+    files = [f for f in tmp_path.rglob("*") if f.is_file() and not f.name.startswith(".")]
+    assert len([f for f in files if f.suffix != ".lock"]) == 6

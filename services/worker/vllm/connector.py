@@ -38,6 +38,7 @@ from kvmesh.services.worker.lookup_client import LookupClient
 from kvmesh.services.worker.vllm.cpu_amx import request_amx
 from kvmesh.services.worker.vllm.kv_events import KvmeshKVEvents
 from kvmesh.services.worker.vllm.metadata import KvmeshConnectorMetadata
+from kvmesh.services.worker.vllm.model_identity import model_identity
 from kvmesh.services.worker.vllm.options import parse_extra_config
 from kvmesh.services.worker.vllm.scheduler import SchedulerSide
 from kvmesh.services.worker.vllm.worker import WorkerSide
@@ -84,14 +85,9 @@ def instance_id_for(vllm_config: VllmConfig, configured: str | None) -> str:
 
 
 def _engine_config(vllm_config: VllmConfig, cfg: EngineConfig) -> EngineConfig:
-    if cfg.model_name == "unknown":
-        # Chunks of two models must never mix: name them after the weights served (the
-        # model's path or hub id, and revision), not the served name, a free label.
-        model = vllm_config.model_config
-        revision = getattr(model, "revision", None)
-        name = f"{model.model}@{revision}" if revision else str(model.model)
-        cfg = msgspec.structs.replace(cfg, model_name=name)
-    return cfg
+    # Chunks of two models, or of one model's weights in two variants, must never mix.
+    name = model_identity(vllm_config.model_config, cfg.model_name)
+    return msgspec.structs.replace(cfg, model_name=name)
 
 
 class KvmeshConnector(KVConnectorBase_V1):
