@@ -13,22 +13,50 @@ load already; what neither sees is a change of the numbers the weights produce:
 - `code_revision` picks other modelling code for a remote-code model.
 
 These are added to the name as `+factor=value` only when set, so the common case keeps
-its readable name (`path@revision`) and instances that differ in none of them share.
+its readable name (a path, or `hub-id@commit`) and instances that differ in none of
+them share. A hub id is pinned to the commit its files came from, since a branch moves
+under it; a local directory's contents cannot be named cheaply, so replacing the weights
+in place needs a new `engine.model_name` (docs/vllm.md).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+from pathlib import Path
 from typing import Any
 
 from kvmesh.common.config.schema import UNSET_MODEL_NAME
 
 
+def hub_commit(model: str, revision: str | None) -> str | None:
+    """The commit a hub id (and branch or tag) resolves to in this host's Hugging Face
+    cache, where vLLM fetched the model's files; None for a local directory or when the
+    cache does not say."""
+    if os.path.isdir(model):
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(model, "config.json", revision=revision)
+    except (ValueError, OSError):  # an id the hub would refuse, an unreadable cache
+        return None
+    if not isinstance(found, str):
+        return None
+    # <cache>/models--org--name/snapshots/<commit>/config.json
+    snapshot = Path(found).parent
+    return snapshot.name if snapshot.parent.name == "snapshots" else None
+
+
 def weights_name(model_config: Any) -> str:
-    """The weights vLLM loads: their path or hub id, with the revision when one is set."""
+    """The weights vLLM loads: their path or hub id, with the commit a hub id resolves
+    to (a branch such as main moves when the repository changes), else the revision
+    when one is set."""
+    model = str(model_config.model)
     revision = getattr(model_config, "revision", None)
-    return f"{model_config.model}@{revision}" if revision else str(model_config.model)
+    pinned = hub_commit(model, revision) or revision
+    return f"{model}@{pinned}" if pinned else model
 
 
 def _overrides_tag(overrides: Any) -> str:

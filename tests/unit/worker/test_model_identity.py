@@ -4,6 +4,12 @@ leave it alone."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from vllm.config import ModelConfig
 
@@ -52,3 +58,45 @@ def test_a_configured_name_stands_for_the_path_only(path: str) -> None:
     assert model_identity(ModelConfig(model=path), "llama-3-8b") == "llama-3-8b"
     quantized = ModelConfig(model=path, quantization="fp8")
     assert model_identity(quantized, "llama-3-8b") == "llama-3-8b+quantization=fp8"
+
+
+HUB_SCRIPT = """
+import json, sys
+from pathlib import Path
+from vllm.config import ModelConfig
+from kvmesh.services.worker.vllm.model_identity import model_identity
+refs = Path(sys.argv[1]) / "models--kvmesh-test--tiny" / "refs"
+names = [model_identity(ModelConfig(model="kvmesh-test/tiny"))]
+(refs / "main").write_text(sys.argv[3])  # the branch moved: a newer download
+names.append(model_identity(ModelConfig(model="kvmesh-test/tiny")))
+names.append(model_identity(ModelConfig(model="kvmesh-test/tiny", revision="v1")))
+print(json.dumps(names))
+"""
+
+
+def test_a_hub_id_is_pinned_to_the_commit_its_files_came_from(path: str, tmp_path) -> None:
+    """vLLM loads a hub id from the host's Hugging Face cache (offline here): the name
+    carries the commit the branch or tag points to, so two hosts with different
+    downloads of `main` never share chunks."""
+    repo = tmp_path / "hub" / "models--kvmesh-test--tiny"
+    old, new = "a" * 40, "b" * 40
+    for commit in (old, new):
+        snapshot = repo / "snapshots" / commit
+        snapshot.mkdir(parents=True)
+        for f in Path(path).iterdir():
+            (snapshot / f.name).symlink_to(f)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(old)
+    (repo / "refs" / "v1").write_text(old)
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", HUB_SCRIPT, str(tmp_path / "hub"), old, new],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    names = json.loads(run.stdout.strip().splitlines()[-1])
+    hub = "kvmesh-test/tiny"
+    assert names == [f"{hub}@{old}", f"{hub}@{new}", f"{hub}@{old}"]
