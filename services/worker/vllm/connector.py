@@ -71,6 +71,25 @@ def check_one_kv_cache_group(kv_cache_config: Any) -> None:
         )
 
 
+def check_prefix_reuse(model_config: Any) -> None:
+    """Refuse a model whose prompt KV vLLM itself does not reuse across requests: kvmesh
+    hands back KV exactly as vLLM's prefix cache would, so what vLLM rules out for its
+    cache (bidirectional attention, encoder-decoder, pooling over every prompt token)
+    would be served wrong KV or crash the engine ("partial prefill is not supported with
+    MEAN pooling", from vLLM on the first load). vLLM's own verdict is used, not a copy
+    of its rules; a vLLM without it is not checked."""
+    if getattr(model_config, "is_prefix_caching_supported", True):
+        return
+    pooler = getattr(model_config, "pooler_config", None)
+    what = f"attention type {getattr(model_config, 'attn_type', '?')}"
+    if pooler is not None:
+        what += f", pooling {pooler.seq_pooling_type}/{pooler.tok_pooling_type}"
+    raise ValueError(
+        f"kvmesh reuses prompt KV as vLLM's prefix cache does, and vLLM does not support "
+        f"prefix caching for this model ({what}). Serve it without the kvmesh connector."
+    )
+
+
 def instance_id_for(vllm_config: VllmConfig, configured: str | None) -> str:
     """The configured id, else vLLM's engine id (shared by the scheduler and its
     workers), per data-parallel rank."""
@@ -101,6 +120,7 @@ class KvmeshConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         check_one_kv_cache_group(kv_cache_config)
+        check_prefix_reuse(vllm_config.model_config)
         kvt = self._kv_transfer_config
         options, cfg = parse_extra_config(kvt.kv_connector_extra_config)
         self.kvmesh_config = cfg
