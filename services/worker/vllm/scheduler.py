@@ -93,7 +93,10 @@ class SchedulerSide:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
         st = self._state(request)
-        if not (self.can_load and st.cacheable and not st.options.skip_load):
+        # vLLM reads no cache for a request that asks for prompt logprobs (they need
+        # every prompt token computed) and zeroes any hit: no lookup, no pin to undo.
+        skip = st.options.skip_load or getattr(request, "skip_reading_prefix_cache", False)
+        if not (self.can_load and st.cacheable and not skip):
             return 0, False
         try:
             n = request.num_tokens

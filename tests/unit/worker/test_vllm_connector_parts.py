@@ -240,6 +240,11 @@ def test_request_options_gate_lookups_and_saves() -> None:
     embeds = request("d", 100)
     embeds.prompt_embeds = torch.zeros(1)
     assert s.get_num_new_matched_tokens(embeds, 0) == (0, False)
+    logprobs = request("e", 100)  # prompt logprobs: vLLM reads no cache for it
+    logprobs.skip_reading_prefix_cache = True
+    assert s.get_num_new_matched_tokens(logprobs, 0) == (0, False)
+    s.update_state_after_alloc(logprobs, 0)
+    assert len(s.build_connector_meta(new_step(logprobs, list(range(7)), 0, 100)).saves) == 1
     assert [lk[1] for lk in client.lookups] == ["b"]
 
 
