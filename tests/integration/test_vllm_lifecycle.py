@@ -287,7 +287,12 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         out["end_state"] = settled()
     else:
         out["ref_p"] = gen(P, 20, NOCACHE, salt="ref")
+        # kvmesh keeps salts apart as vLLM does: P stored under salt b, and forgotten
+        # by vLLM's own cache, is no hit under salt a.
+        out["p_b_first"] = gen(P, 20, salt="b")
+        llm.reset_prefix_cache()
         out["p_a"] = gen(P, 20, salt="a")
+        llm.reset_prefix_cache()
         # X shares P's first 400 tokens: under salt b, vLLM caches 3 of P's blocks
         X = P[:400] + prompt_tokens(600, seed=40)
         out["x_b"] = gen(X, 1, salt="b")
@@ -298,6 +303,8 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         # shares vLLM's blocks of that chunk, is running.
         Y = P[:400] + prompt_tokens(600, seed=41)
         out["ref_y"] = gen(Y, 30, NOCACHE, salt="ref-y")
+        gen(P, 1, salt="c")  # kvmesh holds P under salt c; vLLM then forgets it
+        llm.reset_prefix_cache()
         eng.add_request("Y", prompt(Y, "c"), params(30))
         for _ in range(4):
             eng.step()
@@ -430,9 +437,16 @@ def test_a_load_that_cannot_be_planned_is_recomputed_not_read(plain) -> None:
     assert out["after_unplanned"]["tokens"] == out["ref_p8"]["tokens"]
 
 
+def test_vllm_cache_salt_keeps_kvmesh_chunks_apart(prefix) -> None:
+    out, _ = prefix
+    assert out["p_b_first"]["hit"] == 0 and out["p_b_first"]["cached"] == 0
+    assert out["p_a"]["hit"] == 0 and out["p_a"]["cached"] == 0
+    for case in ("p_b_first", "p_a"):
+        assert out[case]["tokens"] == out["ref_p"]["tokens"]
+
+
 def test_vllm_prefix_hit_then_kvmesh_loads_the_rest(prefix) -> None:
     out, _ = prefix
-    assert out["p_a"]["tokens"] == out["ref_p"]["tokens"]
     p_b = out["p_b"]
     # vLLM had P's first 384 tokens (3 blocks of X); kvmesh counts the next 384 and
     # loads from the chunk boundary at 256 (its chunk 1 is rewritten whole).

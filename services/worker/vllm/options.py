@@ -18,7 +18,7 @@ kv_transfer_params of a request may carry `{"kvmesh": {...}}`:
     skip_save   bool  do not store this request's KV
     skip_load   bool  do not look up or load cached KV for it
     tenant      str   a tenant salt: its chunks are shared only with requests of the
-                      same tenant
+                      same tenant (and the same vLLM cache_salt, see with_cache_salt)
     pd          {"transfer_id": str, "endpoints": [str]}   disaggregated prefill (set
                       by the bridge): with endpoints, push this prompt's KV to that
                       decoder; without, the KV of that transfer was pushed here
@@ -29,6 +29,7 @@ loaded nor saved): a typo in a tenant name must not leak another tenant's KV.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping
 from typing import Annotated, Any
@@ -72,6 +73,9 @@ class RequestOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
 
 
 DEFAULT_REQUEST = RequestOptions()
+# Starts the tenant kvmesh derives from a request's vLLM cache_salt (with_cache_salt);
+# a request's own tenant may not start with it, so the two can never meet.
+SALTED = "\u241f"
 # A request that must not touch the cache at all (its params were malformed).
 NO_CACHE = RequestOptions(skip_save=True, skip_load=True)
 
@@ -117,6 +121,21 @@ def parse_request_options(params: Mapping[str, Any] | None) -> tuple[RequestOpti
         return DEFAULT_REQUEST, None
     raw = params["kvmesh"]
     try:
-        return msgspec.convert(raw, RequestOptions), None
+        options = msgspec.convert(raw, RequestOptions)
     except (msgspec.ValidationError, ValueError, TypeError) as exc:
         return NO_CACHE, f"kv_transfer_params.kvmesh: {exc}"
+    if options.tenant.startswith(SALTED):
+        return NO_CACHE, f"kv_transfer_params.kvmesh.tenant: may not start with {SALTED!r}"
+    return options, None
+
+
+def with_cache_salt(options: RequestOptions, cache_salt: str | None) -> RequestOptions:
+    """vLLM's cache_salt isolates kvmesh as it isolates vLLM's own prefix cache: requests
+    with different salts never share chunks, and salted ones never share with unsalted
+    ones. The salt, with the request's own tenant, becomes the tenant: a digest, since
+    a salt is any string of any length and tenants are short printable ones. "" is
+    vLLM's "no salt"."""
+    if not cache_salt:
+        return options
+    digest = hashlib.sha256(f"{len(options.tenant)}:{options.tenant}:{cache_salt}".encode())
+    return msgspec.structs.replace(options, tenant=SALTED + digest.hexdigest()[:40])

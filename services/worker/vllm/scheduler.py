@@ -26,7 +26,11 @@ from kvmesh.services.worker.vllm.metadata import (
     SaveOp,
     token_tensor,
 )
-from kvmesh.services.worker.vllm.options import RequestOptions, parse_request_options
+from kvmesh.services.worker.vllm.options import (
+    RequestOptions,
+    parse_request_options,
+    with_cache_salt,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -75,6 +79,7 @@ class SchedulerSide:
         st = self._reqs.get(request.request_id)
         if st is None:
             options, problem = parse_request_options(request.kv_transfer_params)
+            options = with_cache_salt(options, getattr(request, "cache_salt", None))
             if problem is not None:
                 log.warning("request %s served without kvmesh: %s", request.request_id, problem)
             # Token ids name the KV only for plain text prompts without adapters.

@@ -24,6 +24,7 @@ from kvmesh.services.worker.vllm.metadata import (
 )
 from kvmesh.services.worker.vllm.options import (
     NO_CACHE,
+    SALTED,
     parse_extra_config,
     parse_request_options,
 )
@@ -246,6 +247,29 @@ def test_request_options_gate_lookups_and_saves() -> None:
     s.update_state_after_alloc(logprobs, 0)
     assert len(s.build_connector_meta(new_step(logprobs, list(range(7)), 0, 100)).saves) == 1
     assert [lk[1] for lk in client.lookups] == ["b"]
+
+
+def test_vllm_cache_salt_isolates_kvmesh_too() -> None:
+    client = FakeClient(hits=64)
+    s = sched(client)
+
+    def tenant_of(rid: str, salt: str | None, params: dict | None = None) -> str:
+        r = request(rid, 100, params)
+        r.cache_salt = salt
+        s.get_num_new_matched_tokens(r, 0)
+        return client.lookups[-1][2]
+
+    a, b, none, a2 = (tenant_of(*c) for c in (("1", "a"), ("2", "b"), ("3", None), ("4", "a")))
+    assert a == a2 and a != b and none == "" and tenant_of("5", "") == ""
+    assert a.startswith(SALTED) and b.startswith(SALTED)
+    # A tenant of the request's own keeps salted and unsalted apart too.
+    acme_a = tenant_of("6", "a", {"kvmesh": {"tenant": "acme"}})
+    assert (
+        acme_a not in (a, "acme") and tenant_of("7", None, {"kvmesh": {"tenant": "acme"}}) == "acme"
+    )
+    # No request can name a salted tenant itself.
+    opts, problem = parse_request_options({"kvmesh": {"tenant": a}})
+    assert opts == NO_CACHE and "may not start with" in problem
 
 
 def test_lookup_errors_are_misses() -> None:
