@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import itertools
 import os
+import stat
+import sys
 import threading
 from dataclasses import dataclass
 
+import structlog
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
@@ -101,7 +104,32 @@ def _load(key: str, path: str, *, secret: bool) -> tuple[bytes, bytes | None]:
         raise _issue(key, path, "not a CURVE certificate (no 40-character public-key)")
     if secret and (not private or len(private) != 40):
         raise _issue(key, path, "holds no secret key: give the NAME.key_secret file")
+    if private:
+        warn_if_world_readable(f"security.{key}", path)
     return public, private
+
+
+def warn_if_world_readable(key: str, path: str) -> bool:
+    """Log a warning if the secret file at path is readable by every user of this host
+    (its mode has o+r); whether it is. Group-readable is left alone: Kubernetes mounts
+    Secrets 0440 for the pod's fsGroup. The warning names the key, the path and the
+    mode, never the file's content."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False  # the caller reports a missing or unreadable file itself
+    if not mode & stat.S_IROTH:
+        return False
+    event = "secret file readable by every user on this host: chmod o-r it"
+    fields = {"key": key, "path": path, "mode": oct(stat.S_IMODE(mode))}
+    if structlog.is_configured():
+        log.warning(event, **fields)
+    else:
+        # Before logging is set up (`kvmesh serve` reads its keys first; the CLI's
+        # clients never set it up) structlog would print on stdout, into the
+        # `--json` output of `kvmesh status` and the like.
+        print(f"warning: {event}", *(f"{k}={v}" for k, v in fields.items()), file=sys.stderr)
+    return True
 
 
 def load_curve(

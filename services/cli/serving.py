@@ -21,7 +21,7 @@ import zmq
 from kvmesh.common.config import ConfigError, KvmeshConfig, load_config
 from kvmesh.common.observability import configure_logging
 from kvmesh.common.observability.http_auth import read_http_token
-from kvmesh.common.transport.curve import CurveKeys, load_curve
+from kvmesh.common.transport.curve import CurveKeys, load_curve, warn_if_world_readable
 
 EXIT_FAILED = 1
 EXIT_INVALID = 2
@@ -60,11 +60,17 @@ def load_security(
     """The CURVE keys and HTTP token the config names, read and checked before the
     service starts; exits 2 naming the `security.*` key and the path on any problem."""
     try:
-        return load_curve(cfg.security, server=server, client=client), read_http_token(cfg.security)
+        keys, token = (
+            load_curve(cfg.security, server=server, client=client),
+            read_http_token(cfg.security),
+        )
     except ConfigError as exc:
         for line in str(exc).splitlines():
             click.echo(f"error: {line}", err=True)
         sys.exit(EXIT_INVALID)
+    if token:
+        warn_if_world_readable("security.http_token_file", cfg.security.http_token_file)
+    return keys, token
 
 
 def run_service(

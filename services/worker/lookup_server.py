@@ -17,6 +17,7 @@ import concurrent.futures
 import contextlib
 import os
 import socket
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -161,6 +162,8 @@ class LookupServer:
         if self.endpoint.startswith("ipc://"):
             path = Path(self.endpoint[len("ipc://") :])
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if path.parent == proto.default_ipc_dir():
+                _make_private(path.parent)
             if _live_unix_socket(path):
                 # ZMQ would silently unlink it and steal the address.
                 raise LookupServerError(
@@ -275,6 +278,34 @@ class LookupServer:
         self.engine.release_lookup(msg.lookup_id)
         log.debug("lookup released", lookup_id=msg.lookup_id, held_pins=released)
         return proto.ReleaseLookupReply(msg.rid, released)
+
+
+def _make_private(directory: Path) -> None:
+    """Check that the default ipc directory is this user's own and make it 0700.
+
+    Its name is predictable (/tmp/kvmesh-<uid>), so another local user could create
+    it first: mkdir(exist_ok=True) would then accept a directory in which that user
+    can replace our socket with theirs, and the scheduler would send its lookups (the
+    prompts' token ids) there. A directory of ours that is too open is closed; one
+    that is not ours (or a link that is not ours) is refused.
+    """
+    uid = os.geteuid()
+    st = os.lstat(directory)
+    if stat.S_ISLNK(st.st_mode) and st.st_uid == uid:
+        st = os.stat(directory)  # our own link: judge what it points to
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+        raise LookupServerError(
+            f"ipc directory {directory} is not a directory owned by this user (uid {uid}; "
+            f"it is uid {st.st_uid}'s): another user could take over the lookup socket. "
+            "Remove it, or set KVMESH_IPC_DIR to a directory of this user's"
+        )
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        log.warning(
+            "ipc directory was open to other users: made 0700",
+            directory=str(directory),
+            mode=oct(stat.S_IMODE(st.st_mode)),
+        )
+        os.chmod(directory, 0o700)
 
 
 def _live_unix_socket(path: Path) -> bool:

@@ -40,6 +40,10 @@ class TenantDatabases:
     """
 
     def __init__(self, base: ChunkedTokenDatabase, max_dbs: int = MAX_TENANT_DBS) -> None:
+        if "\x00" in base.namespace.tenant:
+            # NUL joins a salt and a request's tenant: an engine salted "a" serving
+            # tenant "b" would read the chunks of an engine salted "a\0b".
+            raise ValueError("engine.tenant_salt must not contain a NUL character")
         self.base = base
         self._max_dbs = max_dbs
         self._dbs: OrderedDict[str, ChunkedTokenDatabase] = OrderedDict()
@@ -55,7 +59,8 @@ class TenantDatabases:
                 return db
         check_tenant(tenant)
         salt = self.base.namespace.tenant
-        # NUL never occurs in a checked tenant, so (salt, tenant) pairs cannot collide.
+        # NUL occurs in neither a checked tenant nor a salt (__init__), so (salt, tenant)
+        # pairs cannot collide, with each other or with another engine's salt.
         combined = f"{salt}\x00{tenant}" if salt else tenant
         namespace = msgspec.structs.replace(self.base.namespace, tenant=combined)
         db = ChunkedTokenDatabase(
