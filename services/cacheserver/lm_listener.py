@@ -9,13 +9,27 @@ header's format, dtype, shape and location kept as the value's meta for GET repl
 Unlike LMCache's own server it sets TCP_NODELAY and sends a reply header and its
 payload in one write (two writes stall ~44 ms per small GET on Nagle plus delayed ACK).
 
+LMCache's client never reconnects: a connection closed on it ends its remote tier until
+the engine restarts. So what its client can send is served on the same connection:
+
+- a PUT over `max_value_size` (or one the store refuses) sends no reply, so its payload
+  is read and dropped, a buffer at a time, and the connection goes on in step; a GET of
+  it misses;
+- its client checks a key's length in characters but sends only the first 150 bytes of
+  its UTF-8, so a key of non-ASCII text can arrive cut (inside a character, or at a
+  boundary, where two keys could become one and serve each other's values). A key that
+  fills all 150 bytes and is not ASCII (the only kind that can have been cut: an ASCII
+  key fills them only at exactly 150 characters) is never stored or found: its PUT is
+  dropped, its GET and EXIST answer 400.
+
 Bad input: a header that cannot be valid (negative length, a key that is empty or not
-UTF-8), an unknown command, a PUT over `max_value_size`, a header or payload that stops
-arriving within `request_timeout_s` once begun, or a reply the client does not take
-within it closes that connection (an unknown command gets a 400 reply first); LIST gets
-a 400 reply. An idle connection stays open, as with LMCache's own server, whose client
-keeps one connection for its life (TCP keepalive finds a peer whose host died, within
-about two minutes). Other connections are not affected.
+UTF-8 otherwise), an unknown command, a header or payload that stops arriving within
+`request_timeout_s` once begun, or a reply the client does not take within it closes
+that connection (an unknown command gets a 400 reply first). LIST, which LMCache's
+client never sends and its server never answers, gets a 400 reply. An idle connection
+stays open, as with LMCache's own server, whose client keeps one connection for its
+life (TCP keepalive finds a peer whose host died, within about two minutes). Other
+connections are not affected.
 """
 
 from __future__ import annotations
@@ -28,6 +42,7 @@ from kvmesh.common import offload
 from kvmesh.common.config import CacheServerConfig
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import lmcache_lm as lm
+from kvmesh.common.protocol.cacheserver import ErrorCode
 from kvmesh.services.cacheserver.stats import ServerStats
 from kvmesh.services.cacheserver.store import (
     INTERNAL_PREFIX,
@@ -42,6 +57,10 @@ log = get_logger(__name__)
 LM_PREFIX = INTERNAL_PREFIX + "lm:"
 _FAIL = lm.FAIL.pack()
 _SUCCESS = lm.SUCCESS.pack()
+# Parsed in place of a key that may have been cut (see module doc), to read the rest.
+_CUT_STAND_IN = b"cut".ljust(lm.KEY_BYTES, b" ")
+# Payloads are read this much at a time (the stream's buffer stays small).
+_READ_CHUNK = 1 << 20
 # Idle 60 s, then 6 probes 10 s apart (Linux names; left out where the system lacks them).
 KEEPALIVE = [
     (getattr(socket, name), value)
@@ -54,6 +73,12 @@ class _Close(Exception):
     """End this connection (after whatever reply was written)."""
 
 
+def maybe_cut(key_field: bytes) -> bool:
+    """Whether a request's 150-byte key field may hold a key LMCache's client cut short:
+    no space padding left and not ASCII (see module doc)."""
+    return key_field[-1:] != b" " and not key_field.isascii()
+
+
 class LmListener:
     def __init__(self, store: MemoryStore, stats: ServerStats, config: CacheServerConfig) -> None:
         self.store = store
@@ -63,6 +88,8 @@ class LmListener:
         self.port = 0
         self._server: asyncio.Server | None = None
         self._clients: set[asyncio.Task] = set()
+        # Connections already warned about cut keys (one warning each, not one a request).
+        self._warned_cut: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(
@@ -120,6 +147,7 @@ class LmListener:
             self.connections -= 1
             self.stats.connections["lm"].set(self.connections)
             self._clients.discard(task)
+            self._warned_cut.discard(task)
             writer.close()
             with contextlib.suppress(ConnectionError, OSError):
                 await writer.wait_closed()
@@ -140,13 +168,16 @@ class LmListener:
     async def _serve_one(
         self, header: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
+        cut = maybe_cut(header[-lm.KEY_BYTES :])
         try:
-            req = lm.parse_request(header)
+            req = lm.parse_request(header[: -lm.KEY_BYTES] + _CUT_STAND_IN if cut else header)
         except lm.LmFrameError as exc:
             self.stats.lm_requests["invalid"].inc()
             raise _Close(f"bad header: {exc}") from None
         command = req.command
-        key = LM_PREFIX + req.key
+        key = None if cut else LM_PREFIX + req.key
+        if cut and command in (lm.Command.PUT, lm.Command.GET, lm.Command.EXIST):
+            self._warn_cut(header[-lm.KEY_BYTES :])
         if command == lm.Command.PUT:
             self.stats.lm_requests["put"].inc()
             await self._put(req, key, reader)
@@ -163,7 +194,8 @@ class LmListener:
                 self.stats.bytes_out.inc(entry.nbytes)
         elif command == lm.Command.EXIST:
             self.stats.lm_requests["exist"].inc()
-            writer.write(_SUCCESS if self.store.contains(key) else _FAIL)
+            found = key is not None and self.store.contains(key)
+            writer.write(_SUCCESS if found else _FAIL)
         elif command == lm.Command.HEALTH:
             self.stats.lm_requests["health"].inc()
             writer.write(_SUCCESS)
@@ -183,12 +215,33 @@ class LmListener:
         async with asyncio.timeout(self.config.request_timeout_s):
             await writer.drain()
 
-    async def _put(self, req: lm.LmRequest, key: str, reader: asyncio.StreamReader) -> None:
+    def _warn_cut(self, key_field: bytes) -> None:
+        self.stats.errors[ErrorCode.BAD_KEY].inc()
+        task = asyncio.current_task()
+        if task is not None and task not in self._warned_cut:
+            self._warned_cut.add(task)
+            log.warning(
+                "lm:// key fills all 150 bytes and is not ASCII: it may have been cut "
+                "(LMCache sends a key's first 150 bytes), so it is never stored or found",
+                key=key_field.decode("utf-8", "replace"),
+            )
+
+    async def _put(self, req: lm.LmRequest, key: str | None, reader: asyncio.StreamReader) -> None:
         limit = int(self.config.max_value_size)
+        if key is None:
+            await self._skip(reader, req.length)
+            return
         if req.length > limit:
-            raise _Close(f"PUT of {req.length} bytes exceeds max_value_size {limit}")
-        async with asyncio.timeout(self.config.request_timeout_s):
-            payload = await reader.readexactly(req.length)
+            # No reply to say so: drop the payload and stay in step with the client.
+            self.stats.errors[ErrorCode.VALUE_TOO_LARGE].inc()
+            log.warning(
+                "lm:// put refused", error=f"{req.length} bytes over max_value_size {limit}"
+            )
+            await self._skip(reader, req.length)
+            # The client believes the new value stored: never serve it the old one.
+            self.store.delete(key)
+            return
+        payload = await self._read_payload(reader, req.length)
         try:
             big = len(payload) >= offload.OFFLOAD_FROM
             actual = (await checksums_off_loop([payload]))[0] if big else None
@@ -197,11 +250,42 @@ class LmListener:
         except StoreError as exc:
             self.stats.errors[exc.code].inc()
             log.warning("lm:// put refused", error=str(exc))
+            self.store.delete(key)  # as above: not the old value
             return
         self.stats.bytes_in.inc(entry.nbytes)
 
-    async def _get(self, key: str):
+    async def _read_payload(self, reader: asyncio.StreamReader, n: int) -> bytearray:
+        """An n-byte payload, read into its own buffer as it arrives: readexactly would
+        hold it twice at the end (the stream's buffer and its copy), 2x a value's memory
+        for each PUT in flight."""
+        payload = bytearray(n)
+        view = memoryview(payload)
+        got = 0
+        async with asyncio.timeout(self.config.request_timeout_s):
+            while got < n:
+                chunk = await reader.read(min(n - got, _READ_CHUNK))
+                if not chunk:
+                    raise asyncio.IncompleteReadError(b"", n - got)
+                view[got : got + len(chunk)] = chunk
+                got += len(chunk)
+        return payload
+
+    async def _skip(self, reader: asyncio.StreamReader, n: int) -> None:
+        """Read and drop an n-byte payload, under the same deadline as one kept."""
+        async with asyncio.timeout(self.config.request_timeout_s):
+            while n > 0:
+                chunk = await reader.read(min(n, _READ_CHUNK))
+                if not chunk:
+                    raise asyncio.IncompleteReadError(b"", n)
+                n -= len(chunk)
+
+    async def _get(self, key: str | None):
         store = self.store
+        if key is None:  # a key that may have been cut is never found
+            store.count(False, reason="not_stored")
+            self.stats.misses.inc()
+            self.stats.miss_reasons["not_stored"].inc()
+            return None
         entry = store.get_memory(key)
         reason = ""
         if entry is None and store.needs_disk(key):
