@@ -117,7 +117,7 @@ class DiskSpill:
         retry_s: float = 30.0,
     ) -> None:
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.max_size = max_size
         self.max_backlog = max_backlog
         self.retry_s = retry_s
@@ -209,7 +209,9 @@ class DiskSpill:
         header = pack_file_header(key.encode(), entry.meta, entry.nbytes, entry.checksum)
         tmp = self.path / (name + ".tmp")
         try:
-            with open(tmp, "wb") as f:
+            # Spilled values are clients' KV: readable by the server's own user only.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with open(fd, "wb") as f:
                 f.write(header)
                 f.write(entry.view)
             os.rename(tmp, self.path / name)

@@ -82,7 +82,13 @@ from kvmesh.services.worker.tiers.disk_format import (
     key_of_file_name,
     temp_file_name,
 )
-from kvmesh.services.worker.tiers.disk_io import header_buffer, read_file, write_file
+from kvmesh.services.worker.tiers.disk_io import (
+    DIR_MODE,
+    FILE_MODE,
+    header_buffer,
+    read_file,
+    write_file,
+)
 from kvmesh.services.worker.tiers.disk_scan import (
     LOCK_FILE,
     ScannedFile,
@@ -226,11 +232,13 @@ class DiskTier:
             # The directory vanished under us: the old lock guards nothing any more.
             os.close(self._lock_fd)
             self._lock_fd = None
-        os.makedirs(self.path, exist_ok=True)
+        # A directory made here is the engine user's alone; one that exists is left as
+        # its owner set it (its files are FILE_MODE either way).
+        os.makedirs(self.path, mode=DIR_MODE, exist_ok=True)
         lock_path = os.path.join(self.path, LOCK_FILE)
         # Held read-only: a file open for writing would keep the filesystem from being
         # remounted read-only, and flock needs no write access.
-        fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(lock_path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -80,19 +80,25 @@ def read_all(fd: int, bufs: list[memoryview], offset: int = 0) -> int:
     return total
 
 
+# Chunk files hold prompts' KV, of every tenant: readable by the engine's own user only.
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+
+
 def open_file(path: str, flags: int, direct: bool) -> tuple[int, bool]:
     """os.open with O_DIRECT when asked and supported; (fd, whether O_DIRECT is on).
 
     A filesystem without O_DIRECT answers EINVAL; the file is then opened buffered.
+    A file it creates is FILE_MODE.
     """
     flags |= os.O_CLOEXEC
     if direct and O_DIRECT:
         try:
-            return os.open(path, flags | O_DIRECT, 0o644), True
+            return os.open(path, flags | O_DIRECT, FILE_MODE), True
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
-    return os.open(path, flags, 0o644), False
+    return os.open(path, flags, FILE_MODE), False
 
 
 def write_file(path: str, bufs: list[memoryview], direct: bool) -> bool:

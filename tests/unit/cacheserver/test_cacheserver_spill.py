@@ -214,3 +214,23 @@ async def test_a_write_that_ends_after_close_still_cleans_up(tmp_path) -> None:
     await asyncio.sleep(0.05)
     assert loop_errors == []
     assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_spilled_values_are_readable_by_the_servers_user_only(tmp_path: Path) -> None:
+    """Spilled values are clients' KV: another local user must not read them, whatever
+    the umask (022 here, as on most hosts)."""
+    old = os.umask(0o022)
+    try:
+
+        async def main() -> None:
+            spill = DiskSpill(tmp_path / "spill", 1 << 20)
+            assert spill.submit("k", make_entry(V1))
+            await written(spill, "k")
+            spill.close()
+
+        asyncio.run(main())
+    finally:
+        os.umask(old)
+    files = list((tmp_path / "spill").iterdir())
+    assert files and all(f.stat().st_mode & 0o777 == 0o600 for f in files)
+    assert (tmp_path / "spill").stat().st_mode & 0o777 == 0o700

@@ -220,3 +220,23 @@ def test_chunks_stored_during_the_reindex_outlast_the_files_it_finds(
     finally:
         scan.release.set()
         tier.close()
+
+
+def test_chunk_files_are_readable_by_the_engines_user_only(tmp_path: Path, pool) -> None:
+    """Chunk files hold every tenant's KV: another local user must not read them,
+    whatever the umask (022 here, as on most hosts). A directory made by the tier is
+    the user's alone; one that existed keeps its mode."""
+    old = os.umask(0o022)
+    try:
+        made, existing = tmp_path / "made" / "tier", tmp_path / "existing"
+        existing.mkdir(mode=0o750)
+        for path in (made, existing):
+            filled_dir(path, pool, 2)
+    finally:
+        os.umask(old)
+    for path in (made, existing):
+        files = [path / n for n in os.listdir(path)]
+        assert len(chunk_files(path)) == 2
+        assert all(f.stat().st_mode & 0o777 == 0o600 for f in files), files
+    assert made.stat().st_mode & 0o777 == 0o700
+    assert existing.stat().st_mode & 0o777 == 0o750
