@@ -7,6 +7,11 @@ the chunk size, the medium is CPU for L1 and STORAGE below it, and `ownership` n
 the tier ("kvmesh:l1", "kvmesh:disk", ...). Token ids and the parent hash are filled
 in for chunks this worker saved recently; events of other chunks (promotions from a
 lower tier, evictions) carry the hash only.
+
+Chunks of a per-request tenant (a request's kvmesh `tenant`, or its vLLM `cache_salt`)
+are not published: their chunk hash is the same as every other tenant's copy of the
+prompt, so a router reading the feed would merge tenants, and could tell one tenant
+that another had cached a prompt. Only the engine's own namespace is published.
 """
 
 from __future__ import annotations
@@ -75,6 +80,8 @@ class EventTranslator:
     def remember(self, engine: KVEngine, op: SaveOp) -> None:
         tokens = op.tokens.tolist()
         prev: bytes | None = None
+        if op.tenant:
+            return  # never published (translate)
         for start, end, key in engine.chunks(op.tokens, tenant=op.tenant):
             if start >= op.skip:
                 self._known[key.to_str()] = (tokens[start:end], prev)
@@ -83,13 +90,18 @@ class EventTranslator:
         while len(self._known) > self._capacity:
             self._known.popitem(last=False)
 
-    def translate(self, events: list[KVEvent]) -> list[KVCacheEvent]:
+    def translate(self, events: list[KVEvent], namespace_id: str) -> list[KVCacheEvent]:
+        """vLLM's events for the engine's events of chunks in namespace_id (the
+        engine's own); events of other namespaces (tenants') are dropped."""
         out: list[KVCacheEvent] = []
         for ev in events:
             try:
-                chunk_hash = ChunkKey.from_str(ev.key).chunk_hash
+                key = ChunkKey.from_str(ev.key)
             except ValueError:
                 continue
+            if key.namespace_id != namespace_id:
+                continue
+            chunk_hash = key.chunk_hash
             medium = MEDIUM_CPU if ev.tier == "l1" else MEDIUM_STORAGE
             owner = f"kvmesh:{ev.tier}"
             if ev.kind == KVEventKind.STORED:

@@ -230,7 +230,7 @@ class WorkerSide:
     def take_events(self) -> KvmeshKVEvents | None:
         if self._events is None or self.engine is None:
             return None
-        events = self._events.translate(self.engine.events.drain())
+        events = self._events.translate(self.engine.events.drain(), self.engine.namespace.ns_id)
         if not events:
             return None
         out = KvmeshKVEvents(num_workers=1)

@@ -455,6 +455,25 @@ def test_events_carry_chunk_hashes_and_tokens(workers) -> None:
     assert kinds == [BlockStored, BlockRemoved]
 
 
+def test_events_never_name_a_tenants_chunks(workers) -> None:
+    """A tenant's chunk has the same chunk hash as any other tenant's copy: published,
+    a router would merge tenants. Only the engine's own namespace is published."""
+    caches = paged()
+    w = workers(events=True)
+    w.register_kv_caches(caches)
+    saves = [
+        SaveOp("a", tokens(64), [0, 1, 2, 3], 0, "alice"),
+        SaveOp("b", tokens(64), [4, 5, 6, 7]),
+    ]
+    run_step(w, KvmeshConnectorMetadata(saves=saves), [])
+    assert w.engine.lookup(tokens(64), tenant="alice") == 64  # stored, not published
+    stored = w.take_events().get_all_events()
+    assert len(stored) == 2 and all(isinstance(e, BlockStored) for e in stored)
+    assert stored[0].token_ids == list(range(1000, 1032))
+    w.engine.storage.remove(w.engine.chunks(tokens(64), tenant="alice")[0][2])
+    assert w.take_events() is None
+
+
 def test_events_of_all_workers_are_kept_only_when_common() -> None:
     a = BlockStored(
         block_hashes=[b"a" * 16], parent_block_hash=None, token_ids=[1], block_size=1,
