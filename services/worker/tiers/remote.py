@@ -53,7 +53,7 @@ from kvmesh.services.worker.tiers.remote_codec import (
     release_result,
 )
 from kvmesh.services.worker.tiers.remote_connector import Connector, ValueRefused
-from kvmesh.services.worker.tiers.remote_health import HealthMonitor
+from kvmesh.services.worker.tiers.remote_health import HealthMonitor, describe
 from kvmesh.services.worker.tiers.remote_presence import PresenceCache
 from kvmesh.services.worker.tiers.remote_stats import RemoteStats
 
@@ -151,7 +151,7 @@ class RemoteTier:
         redis-py's pool hides behind one failed request per connection): the keys
         remembered as present are forgotten, or chunks stored again would be dropped as
         duplicates and lookups promise hits every get then misses."""
-        self.health.failure(f"{what}: {exc!r}")
+        self.health.failure(f"{what}: {describe(exc)}")
         if not isinstance(exc, TimeoutError):
             if self._loop.in_loop_thread():
                 self.presence.clear()

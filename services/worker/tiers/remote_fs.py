@@ -9,8 +9,12 @@ never compressed here (the connector says `compresses = False`; the format could
 codec since version 2, see common/chunk_codec.py).
 
 Nothing here evicts: bound the directory with the filesystem's quota or a periodic
-cleaner (oldest access first). All I/O runs on a small thread pool, so a slow mount
-delays only the requests that touch it, and the tier's deadlines still apply.
+cleaner (oldest access first). A writer killed mid-write leaves its temporary file
+behind; each start removes those older than `STALE_TEMP_S` (a live writer's are newer:
+every write touches its file), in the background. A full or read-only filesystem
+refuses puts (`StoreFull`) while its files still read. All I/O runs on a small thread
+pool, so a slow mount delays only the requests that touch it, and the tier's deadlines
+still apply.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import dataclasses
 import errno
 import os
 import shutil
+import stat
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -30,10 +36,21 @@ from typing import Any
 
 from kvmesh.common.chunk_codec import FILE_LAYOUT, ChunkHeader, CorruptChunk
 from kvmesh.common.keys import ChunkKey
-from kvmesh.services.worker.tiers.disk_format import chunk_file_name, temp_file_name
+from kvmesh.common.observability import get_logger
+from kvmesh.services.worker.tiers.disk_format import (
+    chunk_file_name,
+    is_temp_file_name,
+    temp_file_name,
+)
 from kvmesh.services.worker.tiers.remote_connector import Fetched, StoreFull
 
+log = get_logger(__name__)
+
 IO_THREADS = 4
+# A temporary file untouched this long is a dead writer's, never a live one's.
+STALE_TEMP_S = 3600.0
+# Errors of a put that leave the files readable: the store refuses writes, not down.
+_REFUSING = {errno.ENOSPC: "", errno.EDQUOT: "", errno.EROFS: "read-only: "}
 
 
 class FsConnector:
@@ -48,6 +65,9 @@ class FsConnector:
         self._url = url
         self._run = uuid.uuid4().hex[:12]
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._swept = False
+        # Stale temporary files the start's sweep removed (None until it finished).
+        self.stale_temps_removed: int | None = None
 
     @property
     def display(self) -> str:
@@ -68,12 +88,52 @@ class FsConnector:
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(IO_THREADS, "kvmesh-remote-fs")
         await self._io(self._check_root)
+        if not self._swept:
+            self._swept = True
+            # On a thread of its own: a large shared tree takes long to list, the
+            # reconnect has a deadline, and gets need the pool meanwhile. A daemon, so
+            # a sweep still listing never holds up the process's exit.
+            threading.Thread(target=self._sweep_temps, name="kvmesh-fs-sweep", daemon=True).start()
 
     def _check_root(self) -> None:
         if not self.root.is_dir():
             raise FileNotFoundError(f"{self.root} is not a directory")
-        if not os.access(self.root, os.W_OK | os.X_OK):
+        if not os.access(self.root, os.W_OK | os.X_OK) and not self._read_only_mount():
             raise PermissionError(f"{self.root} is not writable")
+
+    def _read_only_mount(self) -> bool:
+        """A readable root on a read-only mount (an ro export, a remount after disk
+        errors): its files still serve gets, and puts are refused."""
+        try:
+            ro = bool(os.statvfs(self.root).f_flag & os.ST_RDONLY)
+        except OSError:
+            return False
+        return ro and os.access(self.root, os.R_OK | os.X_OK)
+
+    def _sweep_temps(self) -> None:
+        cutoff = time.time() - STALE_TEMP_S
+        n = 0
+        try:
+            with os.scandir(self.root) as namespaces:
+                dirs = [e.path for e in namespaces if e.is_dir(follow_symlinks=False)]
+        except OSError as exc:
+            log.warning("fs remote: sweep of stale temporary files failed", error=repr(exc))
+            dirs = []
+        for d in dirs:
+            if self._pool is None:  # closed
+                break
+            with contextlib.suppress(OSError), os.scandir(d) as it:
+                for entry in it:
+                    if not is_temp_file_name(entry.name):
+                        continue
+                    with contextlib.suppress(OSError):
+                        st = entry.stat(follow_symlinks=False)
+                        if entry.is_file(follow_symlinks=False) and st.st_mtime < cutoff:
+                            os.unlink(entry.path)
+                            n += 1
+        self.stale_temps_removed = n
+        if n:
+            log.info("fs remote: removed stale temporary files", root=str(self.root), files=n)
 
     async def ping(self) -> None:
         await self._io(self._check_root)
@@ -86,8 +146,8 @@ class FsConnector:
         except OSError as exc:
             # Full: the files there still read, so the tier must not go down (three
             # puts in a row failing marked it so, and every get then missed).
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise StoreFull(f"{self.root}: {exc.strerror}") from None
+            if exc.errno in _REFUSING:
+                raise StoreFull(f"{_REFUSING[exc.errno]}{self.root}: {exc.strerror}") from None
             raise
 
     def _write(self, key: ChunkKey, raw_header: bytes, payload: Any) -> None:
@@ -116,11 +176,25 @@ class FsConnector:
         return Fetched(header, memoryview(data)[FILE_LAYOUT.size :], data)
 
     def _read(self, key: ChunkKey) -> bytes | None:
+        path = self._path(key)
         try:
-            with open(self._path(key), "rb") as f:
-                return f.read()
+            # Non-blocking: a FIFO under a chunk's name would hold a pool thread in
+            # open() forever (four such gets wedged the tier down for good).
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
+        try:
+            regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not regular:
+            # A directory, FIFO... under a chunk's name: one bad value, not a bad store
+            # (as a failed request, three such gets marked it down).
+            os.close(fd)
+            raise CorruptChunk(f"{path} is not a regular file")
+        with os.fdopen(fd, "rb") as f:
+            return f.read()
 
     async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
         return await self._io(lambda: [self._path(k).is_file() for k in keys])

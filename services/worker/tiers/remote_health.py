@@ -20,6 +20,17 @@ from kvmesh.common.observability import get_logger
 
 log = get_logger(__name__)
 
+# While the store stays down, its reconnect error is logged again at most this often
+# (and whenever it changes).
+RETRY_WARN_S = 60.0
+
+
+def describe(exc: BaseException) -> str:
+    """exc's type and message, for a reason a person reads. Not repr: redis-py's
+    exceptions print as `auth:AuthenticationError` there, without their message."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
 
 class HealthMonitor:
     def __init__(
@@ -45,6 +56,7 @@ class HealthMonitor:
         self.since = time.monotonic()
         self._failures = 0
         self._wake = asyncio.Event()
+        self._warned: tuple[str, float] | None = None  # last reconnect error logged, when
 
     def success(self) -> None:
         self._failures = 0
@@ -69,6 +81,7 @@ class HealthMonitor:
         self.reason = reason
         self.since = time.monotonic()
         self._failures = 0
+        self._warned = None
         if up:
             log.info("remote store is up", remote=self.name)
         else:
@@ -99,13 +112,26 @@ class HealthMonitor:
                     await self._try(self._ping)
                     self.success()
                 except Exception as exc:
-                    self._set(False, f"ping failed: {exc!r}")
+                    # Requests may have marked it down during the ping: once is enough.
+                    if self.up:
+                        self._set(False, f"ping failed: {describe(exc)}")
             else:
                 try:
                     await self._try(self._reconnect)
                     await self._try(self._ping)
                 except Exception as exc:
-                    self.reason = f"reconnect failed: {exc!r}"
+                    self.reason = f"reconnect failed: {describe(exc)}"
+                    self._warn_retry(self.reason)
                     await asyncio.sleep(self.interval_s)
                 else:
                     self._set(True, "ping answered")
+
+    def _warn_retry(self, reason: str) -> None:
+        """Log why the store cannot be reached: a wrong password or db number at start
+        would otherwise leave the tier down without a word."""
+        now = time.monotonic()
+        last = self._warned
+        if last is not None and last[0] == reason and now - last[1] < RETRY_WARN_S:
+            return
+        self._warned = (reason, now)
+        log.warning("remote store cannot be reached", remote=self.name, reason=reason)

@@ -7,14 +7,18 @@ by their hash (no hash tags), and a batch of EXISTS goes out as one pipeline per
 
 redis-py's own retries are turned off (the tier's deadline and health monitor decide
 what a failure means), and any error in the middle of a reply drops that connection
-rather than reusing it (redis-py's behaviour). Redis has no memory bound of its own
-unless configured: run it with `maxmemory` and `maxmemory-policy allkeys-lru`.
+rather than reusing it (redis-py's behaviour). One case is sent again here: a pooled
+connection the server closed while idle (`_once_more`). Redis has no memory bound of
+its own unless configured: run it with `maxmemory` and `maxmemory-policy allkeys-lru`.
+A chunk is one key, so eviction never leaves part of one. A value over the server's
+`proto-max-bulk-len` is refused before it is sent; a key of another type (a list, a
+hash) under a chunk's name reads as a corrupt value.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 from urllib.parse import unquote
 
@@ -22,16 +26,29 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import OutOfMemoryError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError, ResponseError
 
 from kvmesh.common import offload
-from kvmesh.common.chunk_codec import VALUE_LAYOUT, ChunkHeader
+from kvmesh.common.chunk_codec import VALUE_LAYOUT, ChunkHeader, CorruptChunk
 from kvmesh.common.keys import ChunkKey
-from kvmesh.services.worker.tiers.remote_connector import Fetched, StoreFull, host_ports, redact
+from kvmesh.services.worker.tiers.remote_connector import (
+    Fetched,
+    StoreFull,
+    ValueRefused,
+    host_ports,
+    redact,
+)
 
 DEFAULT_PORT = 6379
+# Redis's own default of `proto-max-bulk-len`, the largest string it takes: what a
+# server that will not say (CONFIG renamed away) is taken to have.
+DEFAULT_MAX_VALUE = 512 << 20
 CLEAR_BATCH = 500
 _GLOB = re.compile(r"([*?\[\]\\])")
+# How a pooled connection the server closed while it sat idle (Redis's `timeout`, a
+# proxy's idle limit) shows at its next command.
+_CLOSED_BY_SERVER = ("closed by server", "reset by peer", "broken pipe")
 
 
 class RedisConnector:
@@ -43,6 +60,10 @@ class RedisConnector:
         self.prefix = key_prefix
         self.timeout_s = timeout_s
         self.client: Any = None
+        # The server's `proto-max-bulk-len`, asked once per connection at the first ping.
+        self.max_value: int | None = None
+        # Pooled connections found closed by the server (read by the tier: see _once_more).
+        self.disconnects = 0
         if self.scheme == "redis-cluster":
             netloc = url.partition("://")[2].split("/", 1)[0]
             creds, _, hosts = netloc.rpartition("@")
@@ -74,6 +95,7 @@ class RedisConnector:
 
     async def reconnect(self) -> None:
         old, self.client = self.client, None
+        self.max_value = None
         if old is not None:
             await old.aclose()
         if self.scheme == "redis-cluster":
@@ -91,17 +113,51 @@ class RedisConnector:
             client = Redis.from_url(self._url, **self._options())
         self.client = client
 
+    async def _once_more(self, request: Callable[[], Awaitable[Any]]) -> Any:
+        """request(), sent again once on a fresh connection when its pooled one was
+        closed by the server. redis-py does not notice that before sending, so after
+        each idle spell every pooled connection failed one request (a burst of gets
+        after 2 s idle on `timeout 1`: 7 of 8 missed and the store was marked down).
+        Every command sent through here is idempotent. A restart looks the same, so
+        each such close counts in `disconnects`: the tier then forgets the keys it
+        remembers as present, as it did at the failed request."""
+        try:
+            return await request()
+        except RedisConnectionError as exc:
+            if not any(s in str(exc).lower() for s in _CLOSED_BY_SERVER):
+                raise
+            self.disconnects += 1
+        return await request()
+
     async def ping(self) -> None:
-        await self._client().ping()
+        client = self._client()
+        await self._once_more(client.ping)
+        if self.max_value is None:
+            self.max_value = await self._max_value(client)
+
+    @staticmethod
+    async def _max_value(client: Any) -> int:
+        try:
+            reply = await client.config_get("proto-max-bulk-len")
+            return int(reply["proto-max-bulk-len"])
+        except (ResponseError, KeyError, TypeError, ValueError):
+            return DEFAULT_MAX_VALUE
 
     async def put(self, key: ChunkKey, header: ChunkHeader, packed: bytes, payload: Any) -> None:
+        n = len(packed) + header.stored_nbytes
+        limit = self.max_value or DEFAULT_MAX_VALUE
+        if n > limit:
+            # Sent, Redis answers a protocol error and drops the connection: a failed
+            # request, so every chunk this large counted towards marking the store down.
+            raise ValueRefused(f"redis: value of {n} bytes, proto-max-bulk-len is {limit}")
         parts = (packed, payload)
         if header.stored_nbytes < offload.OFFLOAD_FROM:
             value = b"".join(parts)
         else:  # a copy of megabytes (bytes.join lets go of the GIL for it)
             value = await offload.offload(b"".join, parts)
         try:
-            await self._client().set(self._name(key), value)
+            client, name = self._client(), self._name(key)
+            await self._once_more(lambda: client.set(name, value))
         except OutOfMemoryError as exc:
             # At maxmemory with noeviction: writes are refused, reads still served, so
             # not a store down (three such puts in a row marked it so, and back up at
@@ -109,24 +165,39 @@ class RedisConnector:
             raise StoreFull(f"redis: {exc}") from None
 
     async def get(self, key: ChunkKey) -> Fetched | None:
-        data = await self._client().get(self._name(key))
+        name = self._name(key)
+        try:
+            client = self._client()
+            data = await self._once_more(lambda: client.get(name))
+        except ResponseError as exc:
+            # Another writer's list, hash... under this key's name: one bad value, not
+            # a bad store (as a failed request, three such gets marked it down).
+            if str(exc).startswith("WRONGTYPE"):
+                raise CorruptChunk(f"redis key {name!r} holds no string value") from None
+            raise
         if data is None:
             return None
         view = memoryview(data)
         size = VALUE_LAYOUT.size
         return Fetched(VALUE_LAYOUT.parse(view[:size]), view[size:], data)
 
+    async def _each(self, command: str, names: Sequence[str | bytes]) -> list[Any]:
+        """command on every name, in one pipeline (a new one if it is sent again)."""
+        client = self._client()
+
+        async def send() -> list[Any]:
+            pipe = client.pipeline()
+            for name in names:
+                pipe.execute_command(command, name)
+            return await pipe.execute()
+
+        return await self._once_more(send)
+
     async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        pipe = self._client().pipeline()
-        for key in keys:
-            pipe.execute_command("EXISTS", self._name(key))
-        return [bool(n) for n in await pipe.execute()]
+        return [bool(n) for n in await self._each("EXISTS", [self._name(k) for k in keys])]
 
     async def delete(self, keys: Sequence[ChunkKey]) -> int:
-        pipe = self._client().pipeline()
-        for key in keys:
-            pipe.execute_command("UNLINK", self._name(key))
-        return sum(await pipe.execute())
+        return sum(await self._each("UNLINK", [self._name(k) for k in keys]))
 
     async def clear(self, namespace_ids: Sequence[str]) -> int:
         client = self._client()
@@ -144,10 +215,7 @@ class RedisConnector:
         return n
 
     async def _unlink(self, names: list[bytes]) -> int:
-        pipe = self._client().pipeline()
-        for name in names:
-            pipe.execute_command("UNLINK", name)
-        return sum(await pipe.execute())
+        return sum(await self._each("UNLINK", names))
 
     async def close(self) -> None:
         client, self.client = self.client, None
