@@ -19,8 +19,9 @@ the engine restarts. So what its client can send is served on the same connectio
   its UTF-8, so a key of non-ASCII text can arrive cut (inside a character, or at a
   boundary, where two keys could become one and serve each other's values). A key that
   fills all 150 bytes and is not ASCII (the only kind that can have been cut: an ASCII
-  key fills them only at exactly 150 characters) is never stored or found: its PUT is
-  dropped, its GET and EXIST answer 400.
+  key fills them only at exactly 150 characters), or one that is not ASCII and does not
+  end as LMCache's keys do (a cut that fell on a space looks padded), is never stored
+  or found: its PUT is dropped, its GET and EXIST answer 400.
 
 Bad input: a header that cannot be valid (negative length, a key that is empty or not
 UTF-8 otherwise), an unknown command, a header or payload that stops arriving within
@@ -36,6 +37,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import mmap
+import re
 import socket
 
 from kvmesh.common import offload
@@ -73,10 +76,27 @@ class _Close(Exception):
     """End this connection (after whatever reply was written)."""
 
 
+# What follows the model name in every key LMCache builds: world size, worker id, chunk
+# hash (hex, "-" for a negative int), dtype, then a layer id and `k%v` tags, if any.
+_KEY_AFTER_MODEL = re.compile(r"@\d+@\d+@-?[0-9a-f]+@\w+(@\d+)?(@[^@%]*%[^@]*)*")
+
+
 def maybe_cut(key_field: bytes) -> bool:
-    """Whether a request's 150-byte key field may hold a key LMCache's client cut short:
-    no space padding left and not ASCII (see module doc)."""
-    return key_field[-1:] != b" " and not key_field.isascii()
+    """Whether a request's 150-byte key field may hold a key LMCache's client cut short
+    (see module doc). Only a key that is not ASCII can be. With no space padding left it
+    may be; with padding it still may, if the cut fell on a space (which LMCache keys
+    hold only in the model name or a tag), so it must then end as a key LMCache builds."""
+    if key_field.isascii():
+        return False
+    if key_field[-1:] != b" ":
+        return True
+    try:
+        text = key_field.rstrip(b" ").decode()
+    except UnicodeDecodeError:
+        return True
+    # A cut in the model name leaves no dtype field; the rest of the key is ASCII.
+    model_end = text.find("@")
+    return model_end < 0 or _KEY_AFTER_MODEL.fullmatch(text, model_end) is None
 
 
 class LmListener:
@@ -90,6 +110,7 @@ class LmListener:
         self._clients: set[asyncio.Task] = set()
         # Connections already warned about cut keys (one warning each, not one a request).
         self._warned_cut: set[asyncio.Task] = set()
+        self._warned_large: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(
@@ -148,6 +169,7 @@ class LmListener:
             self.stats.connections["lm"].set(self.connections)
             self._clients.discard(task)
             self._warned_cut.discard(task)
+            self._warned_large.discard(task)
             writer.close()
             with contextlib.suppress(ConnectionError, OSError):
                 await writer.wait_closed()
@@ -217,14 +239,21 @@ class LmListener:
 
     def _warn_cut(self, key_field: bytes) -> None:
         self.stats.errors[ErrorCode.BAD_KEY].inc()
+        self._warn_once(
+            self._warned_cut,
+            "lm:// key is not ASCII and may have been cut (LMCache sends a key's first "
+            "150 bytes), so it is never stored or found",
+            key=key_field.decode("utf-8", "replace"),
+        )
+
+    @staticmethod
+    def _warn_once(warned: set[asyncio.Task], event: str, **fields: object) -> None:
+        """Log event once per connection (a client repeats what it does, chunk after
+        chunk); the counters count every one."""
         task = asyncio.current_task()
-        if task is not None and task not in self._warned_cut:
-            self._warned_cut.add(task)
-            log.warning(
-                "lm:// key fills all 150 bytes and is not ASCII: it may have been cut "
-                "(LMCache sends a key's first 150 bytes), so it is never stored or found",
-                key=key_field.decode("utf-8", "replace"),
-            )
+        if task is not None and task not in warned:
+            warned.add(task)
+            log.warning(event, **fields)
 
     async def _put(self, req: lm.LmRequest, key: str | None, reader: asyncio.StreamReader) -> None:
         limit = int(self.config.max_value_size)
@@ -234,8 +263,10 @@ class LmListener:
         if req.length > limit:
             # No reply to say so: drop the payload and stay in step with the client.
             self.stats.errors[ErrorCode.VALUE_TOO_LARGE].inc()
-            log.warning(
-                "lm:// put refused", error=f"{req.length} bytes over max_value_size {limit}"
+            self._warn_once(
+                self._warned_large,
+                "lm:// puts over max_value_size are dropped (this connection's first)",
+                error=f"{req.length} bytes over max_value_size {limit}",
             )
             await self._skip(reader, req.length)
             # The client believes the new value stored: never serve it the old one.
@@ -254,11 +285,14 @@ class LmListener:
             return
         self.stats.bytes_in.inc(entry.nbytes)
 
-    async def _read_payload(self, reader: asyncio.StreamReader, n: int) -> bytearray:
+    async def _read_payload(self, reader: asyncio.StreamReader, n: int) -> bytearray | mmap.mmap:
         """An n-byte payload, read into its own buffer as it arrives: readexactly would
         hold it twice at the end (the stream's buffer and its copy), 2x a value's memory
-        for each PUT in flight."""
-        payload = bytearray(n)
+        for each PUT in flight. A large buffer is an anonymous mapping, whose pages cost
+        memory only as bytes arrive: a bytearray is zero-filled (committed) at once, on
+        the event loop, so headers alone announcing large PUTs would commit memory and
+        stall every client."""
+        payload: bytearray | mmap.mmap = bytearray(n) if n < _READ_CHUNK else mmap.mmap(-1, n)
         view = memoryview(payload)
         got = 0
         async with asyncio.timeout(self.config.request_timeout_s):

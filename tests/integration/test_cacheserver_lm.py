@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from kvtest.lm_conn import LmConnection
 from kvtest.remote import REPO, CacheServerProcess, lmcache_python
 
 from kvmesh.common.protocol import lmcache_lm as lm
@@ -30,24 +31,10 @@ def server(tmp_path_factory):
     assert srv.stop() == 0, srv.log.read_text()[-2000:]
 
 
-class LmClient:
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), 5)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock.settimeout(5)
-
+class LmClient(LmConnection):
     def send(self, command: int, key: str, payload: bytes = b"", shape=(0, 0, 0, 0)) -> None:
         req = lm.LmRequest(command, len(payload), 1, 2, 1, shape, key)
         self.sock.sendall(req.pack() + payload)
-
-    def recv_exact(self, n: int) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = self.sock.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionError("closed")
-            buf += chunk
-        return bytes(buf)
 
     def reply(self) -> lm.LmReply:
         return lm.parse_reply(self.recv_exact(lm.REPLY_SIZE))
@@ -56,17 +43,6 @@ class LmClient:
         self.send(lm.Command.GET, key)
         head = self.reply()
         return head, self.recv_exact(head.length) if head.code == 200 else b""
-
-    def closed(self) -> bool:
-        try:
-            return self.sock.recv(1) == b""
-        except ConnectionError:
-            return True
-        except TimeoutError:
-            return False
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def test_every_command(server) -> None:
@@ -119,7 +95,6 @@ def test_small_gets_do_not_stall(server) -> None:
         "random",
         "unknown-command",
         "negative-length",
-        "oversized-put",
         "truncated-payload",
         "truncated-header",
     ],
@@ -131,25 +106,21 @@ def test_bad_input_closes_only_that_connection(server, bad: str) -> None:
         good.send(lm.Command.PUT, "kept", b"v" * 100)
         if bad == "random":
             evil.sock.sendall(os.urandom(lm.REQUEST_SIZE * 3))
+            # A random header may announce a PUT whose payload is then awaited (an
+            # oversized one too: it is drained, not refused by closing).
+            evil.sock.shutdown(socket.SHUT_WR)
         elif bad == "unknown-command":
             evil.sock.sendall(struct.pack("=9i", 99, 0, 1, 2, 0, 0, 0, 0, 0) + b"k".ljust(150))
             assert evil.reply().code == 400
         elif bad == "negative-length":
             evil.sock.sendall(struct.pack("=9i", 1, -5, 1, 2, 0, 0, 0, 0, 0) + b"k".ljust(150))
-        elif bad == "oversized-put":
-            # Over max_value_size: its bytes are read and dropped (a PUT has no reply,
-            # and LMCache's client never reconnects); cut short, the connection closes.
-            evil.sock.sendall(
-                lm.LmRequest(1, 64 * MiB, 1, 2, 1, (0, 0, 0, 0), "huge").pack() + b"x" * 1000
-            )
-            evil.sock.shutdown(socket.SHUT_WR)
         elif bad == "truncated-payload":
             evil.sock.sendall(lm.LmRequest(1, 1000, 1, 2, 1, (0, 0, 0, 0), "t").pack() + b"x" * 10)
             evil.sock.shutdown(socket.SHUT_WR)
         elif bad == "truncated-header":
             evil.sock.sendall(lm.LmRequest(2, 0, 1, 2, 1, (0, 0, 0, 0), "t").pack()[:100])
             evil.sock.shutdown(socket.SHUT_WR)
-        assert evil.closed()
+        assert evil.closed_within()
         head, body = good.get("kept")
         assert head.code == 200 and body == b"v" * 100
     finally:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import struct
 import subprocess
 import time
@@ -16,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from kvtest.lm_conn import LmConnection
 from kvtest.remote import REPO, CacheServerProcess, lmcache_python
 
 from kvmesh.common.protocol import lmcache_lm as lm
@@ -44,13 +44,8 @@ def server(tmp_path_factory):
     assert srv.stop() == 0, srv.log.read_text()[-2000:]
 
 
-class Raw:
+class Raw(LmConnection):
     """A bare lm:// connection: headers built field by field, key bytes as given."""
-
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), 5)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock.settimeout(5)
 
     def send(
         self,
@@ -65,15 +60,6 @@ class Raw:
         head = struct.pack("=9i", command, n, *fields) + key.ljust(lm.KEY_BYTES, b" ")
         assert len(head) == lm.REQUEST_SIZE == 186
         self.sock.sendall(head + payload)
-
-    def recv_exact(self, n: int) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = self.sock.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionError(f"closed after {len(buf)} of {n} bytes")
-            buf += chunk
-        return bytes(buf)
 
     def reply(self) -> tuple[int, ...]:
         return struct.unpack("=9i", self.recv_exact(lm.REPLY_SIZE))
@@ -96,18 +82,6 @@ class Raw:
             return True
         finally:
             self.sock.settimeout(5)
-
-    def closed_within(self, seconds: float) -> bool:
-        self.sock.settimeout(seconds)
-        try:
-            return self.sock.recv(1) == b""
-        except ConnectionError:
-            return True
-        except TimeoutError:
-            return False
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def _metric(srv: CacheServerProcess, line_start: str) -> float:
@@ -142,6 +116,7 @@ def test_oversized_put_is_dropped_and_the_connection_goes_on(server) -> None:
     tier for good (its client never reconnects). The payload is read and dropped."""
     c = Raw(server.lm_port)
     too_large = _metric(server, 'kvmesh_cacheserver_errors_total{code="value_too_large"}')
+    warned = server.log.read_text().count("puts over max_value_size are dropped")
     try:
         c.send(lm.Command.PUT, b"kept", b"k" * 100)
         c.send(lm.Command.PUT, b"replaced", b"old" * 10)
@@ -162,6 +137,8 @@ def test_oversized_put_is_dropped_and_the_connection_goes_on(server) -> None:
         c.close()
     after = _metric(server, 'kvmesh_cacheserver_errors_total{code="value_too_large"}')
     assert after - too_large == 2
+    # One warning for the connection, not one per chunk: the counter counts them all.
+    assert server.log.read_text().count("puts over max_value_size are dropped") == warned + 1
 
 
 def test_oversized_put_that_never_arrives_is_closed_by_deadline(server) -> None:
@@ -253,10 +230,18 @@ def test_key_cut_inside_a_character_keeps_the_connection(server) -> None:
         c.close()
 
 
-def test_lmcache_client_with_a_long_non_ascii_model_never_gets_another_chunk(server) -> None:
-    """LMCache's own client, model name of 50 CJK characters: every key is cut to the
-    model name alone. Each chunk must be a miss, never another chunk's KV."""
-    result = _run_lmcache(server.lm_port, "4", "2", "--model", CJK * 50, "--wait", "1")
+@pytest.mark.parametrize(
+    "model",
+    [CJK * 50, CJK * 49 + "ab zz"],
+    ids=["cut-in-a-character-run", "cut-on-a-space"],
+)
+def test_lmcache_client_with_a_long_non_ascii_model_never_gets_another_chunk(
+    server, model: str
+) -> None:
+    """LMCache's own client, a model name whose keys LMCache cuts to part of the model
+    name: every chunk must be a miss, never another chunk's KV. Cut on a space, the key
+    looks padded: only its missing fields give it away."""
+    result = _run_lmcache(server.lm_port, "4", "2", "--model", model, "--wait", "1")
     assert result["key_bytes"] > lm.KEY_BYTES
     assert result["found"] == [False] * 4, result
     assert result["contains"] == [False] * 4, result
@@ -264,11 +249,18 @@ def test_lmcache_client_with_a_long_non_ascii_model_never_gets_another_chunk(ser
 
 
 def test_keys_that_cannot_have_been_cut_still_work(server) -> None:
-    """Exactly 150 ASCII bytes (LMCache's largest key) and shorter non-ASCII keys are
-    stored as given; trailing spaces are padding."""
+    """Exactly 150 ASCII bytes (LMCache's largest key) and shorter non-ASCII keys of
+    LMCache's shape are stored as given; trailing spaces are padding."""
     c = Raw(server.lm_port)
+    tail = "@1@0@abc@half"
     try:
-        for key in (b"x" * 150, ("é" * 74).encode(), (CJK * 49).encode(), b"pad   "):
+        for key in (
+            b"x" * 150,
+            ("é" * 68 + tail).encode(),
+            (CJK * 45 + tail).encode(),
+            (CJK * 10 + tail + "@3@lmcache.tag.s%a b").encode(),
+            b"pad   ",
+        ):
             c.send(lm.Command.PUT, key, key[:20])
             head, body = c.get(key)
             assert head[0] == 200 and body == key[:20], key
@@ -322,11 +314,47 @@ def test_small_get_round_trip(server) -> None:
 # -- memory held by a PUT in flight -----------------------------------------------------
 
 
-def _peak_rss_kib(pid: int) -> int:
+def _status_kib(pid: int, field: str) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1])
-    raise AssertionError("no VmHWM")
+    raise AssertionError(f"no {field}")
+
+
+def _peak_rss_kib(pid: int) -> int:
+    return _status_kib(pid, "VmHWM")
+
+
+def _rss_kib(pid: int) -> int:
+    return _status_kib(pid, "VmRSS")
+
+
+def test_headers_alone_of_large_puts_commit_no_memory_and_stall_no_one(tmp_path) -> None:
+    """16 connections each announce a 256 MiB PUT and send nothing more: the server
+    commits no memory for payloads that have not arrived (a zero-filled buffer per
+    header committed 4 GiB and held the event loop ~0.15 s each), and a client's
+    HEALTH round trips meanwhile stay fast."""
+    srv = CacheServerProcess(
+        tmp_path, lm=True, **{"max-memory": "256MiB", "max-value-size": "256MiB"}
+    ).start()
+    assert srv.proc is not None
+    good, idle = Raw(srv.lm_port), [Raw(srv.lm_port) for _ in range(16)]
+    try:
+        before = _rss_kib(srv.proc.pid)
+        for c in idle:
+            c.send(lm.Command.PUT, b"big", length=256 << 20)
+        times = []
+        for _ in range(50):
+            t0 = time.perf_counter()
+            assert good.code(lm.Command.HEALTH, b"h") == 200
+            times.append(time.perf_counter() - t0)
+        grown = (_rss_kib(srv.proc.pid) - before) * 1024
+        assert grown < 64 << 20, f"RSS grew {grown >> 20} MiB for headers alone"
+        assert sorted(times)[len(times) // 2] < 0.02, times
+    finally:
+        for c in (good, *idle):
+            c.close()
+        assert srv.stop() == 0, srv.log.read_text()[-2000:]
 
 
 def test_put_holds_its_value_once(tmp_path) -> None:
