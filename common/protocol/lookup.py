@@ -202,6 +202,12 @@ def default_ipc_dir() -> Path:
     env = os.environ.get("KVMESH_IPC_DIR")
     if env:
         return Path(env)
+    return builtin_ipc_dir()
+
+
+def builtin_ipc_dir() -> Path:
+    """/tmp/kvmesh-<uid>, the directory used when $KVMESH_IPC_DIR is not set: a name
+    any local user can predict (and create first)."""
     base = "/tmp" if os.path.isdir("/tmp") else tempfile.gettempdir()
     return Path(base) / f"kvmesh-{os.getuid()}"
 

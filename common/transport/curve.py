@@ -110,17 +110,17 @@ def _load(key: str, path: str, *, secret: bool) -> tuple[bytes, bytes | None]:
 
 
 def warn_if_world_readable(key: str, path: str) -> bool:
-    """Log a warning if the secret file at path is readable by every user of this host
-    (its mode has o+r); whether it is. Group-readable is left alone: Kubernetes mounts
-    Secrets 0440 for the pod's fsGroup. The warning names the key, the path and the
-    mode, never the file's content."""
+    """Log a warning if the mode of the secret file at path lets every user read it
+    (o+r; whether they can reach it depends on its directories too); whether it does.
+    Group-readable is left alone (the chart mounts its Secrets 0440 for the pod's
+    fsGroup). The warning names the key, the path and the mode, never the content."""
     try:
         mode = os.stat(path).st_mode
     except OSError:
         return False  # the caller reports a missing or unreadable file itself
     if not mode & stat.S_IROTH:
         return False
-    event = "secret file readable by every user on this host: chmod o-r it"
+    event = "secret file's mode lets every user of this host read it: chmod o-r it"
     fields = {"key": key, "path": path, "mode": oct(stat.S_IMODE(mode))}
     if structlog.is_configured():
         log.warning(event, **fields)

@@ -162,8 +162,12 @@ class LookupServer:
         if self.endpoint.startswith("ipc://"):
             path = Path(self.endpoint[len("ipc://") :])
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if path.parent == proto.default_ipc_dir():
-                _make_private(path.parent)
+            # Only the built-in name is checked: a directory the operator named (in
+            # $KVMESH_IPC_DIR or the endpoint) is theirs, and may be shared on purpose
+            # (a sticky 1777 one, a group's). Below it, everything is the owner's.
+            builtin = proto.builtin_ipc_dir()
+            if path.parent == builtin or builtin in path.parent.parents:
+                _make_private(builtin)
             if _live_unix_socket(path):
                 # ZMQ would silently unlink it and steal the address.
                 raise LookupServerError(
@@ -297,7 +301,7 @@ def _make_private(directory: Path) -> None:
         raise LookupServerError(
             f"ipc directory {directory} is not a directory owned by this user (uid {uid}; "
             f"it is uid {st.st_uid}'s): another user could take over the lookup socket. "
-            "Remove it, or set KVMESH_IPC_DIR to a directory of this user's"
+            "Remove it, or set KVMESH_IPC_DIR to a directory only this user can change"
         )
     if stat.S_IMODE(st.st_mode) & 0o077:
         log.warning(

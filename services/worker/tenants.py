@@ -60,8 +60,10 @@ class TenantDatabases:
         check_tenant(tenant)
         salt = self.base.namespace.tenant
         # NUL occurs in neither a checked tenant nor a salt (__init__), so (salt, tenant)
-        # pairs cannot collide, with each other or with another engine's salt.
-        combined = f"{salt}\x00{tenant}" if salt else tenant
+        # pairs cannot collide, with each other or with another engine's salt: with no
+        # salt the NUL still marks a request's tenant, lest a client of an unsalted
+        # engine name tenant "x" and read an engine salted "x".
+        combined = f"{salt}\x00{tenant}"
         namespace = msgspec.structs.replace(self.base.namespace, tenant=combined)
         db = ChunkedTokenDatabase(
             namespace,

@@ -31,12 +31,13 @@ from kvtest.p2p import engine_config, kv_cache
 from kvtest.service_process import KvmeshService, free_port
 
 from kvmesh.common.config.schema import P2PConfig
+from kvmesh.common.protocol import lookup as lookup_proto
 from kvmesh.services.cli.main import cli
 from kvmesh.services.worker.engine import KVEngine
 from kvmesh.services.worker.lookup_server import LookupServerError, attach_lookup_server
 
 TOKEN = "audit-token-value-1234"
-WARNING = "secret file readable by every user"
+WARNING = "secret file's mode lets every user of this host read it"
 
 
 def _security(tmp: Path, mode: int) -> Path:
@@ -102,8 +103,10 @@ def test_the_warning_keeps_out_of_a_clients_json_output(tmp_path: Path) -> None:
 
 @pytest.fixture
 def ipc_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The built-in default directory (/tmp/kvmesh-<uid>), moved under tmp_path."""
     path = tmp_path / "ipc"
-    monkeypatch.setenv("KVMESH_IPC_DIR", str(path))
+    monkeypatch.delenv("KVMESH_IPC_DIR", raising=False)
+    monkeypatch.setattr(lookup_proto, "builtin_ipc_dir", lambda: path)
     yield path
 
 
@@ -136,6 +139,35 @@ def test_default_ipc_dir_of_another_user_is_refused(ipc_dir: Path) -> None:
         with pytest.raises(LookupServerError, match="not a directory owned by this user"):
             attach_lookup_server(eng)
         assert list(ipc_dir.iterdir()) == []  # no socket was bound there
+    finally:
+        eng.close()
+
+
+def test_an_ipc_dir_the_operator_named_is_left_as_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """$KVMESH_IPC_DIR is the operator's: a shared sticky 1777 directory (like
+    /dev/shm, or a pod's emptyDir) keeps its mode and takes the socket."""
+    shared = tmp_path / "sticky"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    monkeypatch.setenv("KVMESH_IPC_DIR", str(shared))
+    eng = _engine("ipc-env")
+    try:
+        server = attach_lookup_server(eng)
+        assert server.endpoint.startswith(f"ipc://{shared}/")
+        assert stat.S_IMODE(shared.stat().st_mode) == 0o1777
+    finally:
+        eng.close()
+
+
+def test_a_subdirectory_of_the_default_dir_is_checked_too(ipc_dir: Path) -> None:
+    ipc_dir.mkdir()
+    ipc_dir.chmod(0o777)
+    eng = _engine("ipc-sub")
+    try:
+        attach_lookup_server(eng, f"ipc://{ipc_dir}/sub/lk.sock")
+        assert stat.S_IMODE(ipc_dir.stat().st_mode) == 0o700
     finally:
         eng.close()
 

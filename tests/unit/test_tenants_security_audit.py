@@ -41,3 +41,9 @@ def test_distinct_pairs_get_distinct_namespaces(salt: str, tenant: str) -> None:
         tenants(salt).get(tenant + "x").namespace.ns_id,
     }
     assert len(seen) == 4
+
+
+def test_a_request_tenant_is_never_an_engine_salt() -> None:
+    """A client of an unsalted engine naming tenant "x" must not read the chunks of a
+    deployment whose engines are salted "x"."""
+    assert tenants("").get("x").namespace.ns_id != tenants("x").get("").namespace.ns_id
