@@ -63,6 +63,18 @@ _tokenize_reply = msgspec.json.Decoder(TokenizeReply)
 _encoder = msgspec.json.Encoder()
 
 
+def names_a_tenant(body: Mapping[str, Any]) -> bool:
+    """Whether the request's chunks live under a tenant of their own (vLLM's cache_salt,
+    or the kvmesh tenant in kv_transfer_params): the registry counts no tenant's chunks,
+    so its hits would be another tenant's copies, of no use to this request (and, in
+    disaggregated prefill, would skip its prefill for a decoder that then misses)."""
+    if body.get("cache_salt"):
+        return True
+    params = body.get("kv_transfer_params")
+    kvmesh = params.get("kvmesh") if isinstance(params, Mapping) else None
+    return isinstance(kvmesh, Mapping) and bool(kvmesh.get("tenant"))
+
+
 def prompt_token_ids(endpoint: Endpoint, body: Mapping[str, Any]) -> list[int] | str | None:
     """A completion's prompt as ids when it is ids, as text when it is one string; None
     for a chat (its messages go to /tokenize). LookupFailed("batch") for several
@@ -131,7 +143,7 @@ class PrefixLookup:
             found = await self._hits(endpoint, body, tokenizer, headers)
         except LookupFailed as exc:
             if exc.reason != self._failing:
-                log_at = log.debug if exc.reason == "batch" else log.warning
+                log_at = log.debug if exc.reason in ("batch", "tenant") else log.warning
                 log_at("KV-aware routing failed; least loaded instead (said once per reason)",
                        reason=exc.reason, error=str(exc))  # fmt: skip
                 self._failing = exc.reason
@@ -148,6 +160,8 @@ class PrefixLookup:
         tokenizer: Backend | None,
         headers: Mapping[str, str],
     ) -> PrefixHits:
+        if names_a_tenant(body):
+            raise LookupFailed("tenant", "the request names a tenant or a cache_salt")
         prompt = prompt_token_ids(endpoint, body)
         if isinstance(prompt, list):
             tokens = prompt

@@ -38,7 +38,14 @@ ROUTE_BY = ("kv", "load")
 # Why KV-aware routing had no answer for a request (it went to the least loaded
 # backend): several prompts in one request, /tokenize failed or was too slow, the
 # lookup-server did not answer in lookup_timeout_s (down included) or said no.
-ROUTE_FALLBACK_REASONS = ("batch", "tokenize", "tokenize_timeout", "lookup_timeout", "lookup_error")
+ROUTE_FALLBACK_REASONS = (
+    "batch",
+    "tenant",
+    "tokenize",
+    "tokenize_timeout",
+    "lookup_timeout",
+    "lookup_error",
+)
 # Seconds the routing step (tokenize + lookup) adds to a request.
 ROUTE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 # Seconds, from a one-token prefill of a short prompt to a long one queued behind others.

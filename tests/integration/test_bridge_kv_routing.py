@@ -6,6 +6,7 @@ lookup-server reading that controller, and the bridge in front with `lookup_url`
   while A has a request in flight and B has none (the least loaded pick is B): the
   answer's KV came from A's cache, and the bridge counted a "kv" route.
 - A chat request's prompt is found through the backend's /tokenize.
+- A request with a cache_salt is routed by load: no tenant's chunks are in the registry.
 - With the lookup-server stopped every request is still answered, by the least loaded
   backend, and counted as a lookup_timeout fallback; once it is back, routing is too.
 
@@ -209,6 +210,22 @@ def test_a_chat_prompt_is_found_through_tokenize(mesh: Mesh) -> None:
         assert status == 200, again
         assert hit_tokens(again) >= 4 * CHUNK, (held, again)
     assert mesh.metric("routes_total", role="decoder", by="kv") == kv_routes + 2
+
+
+def test_a_salted_request_is_routed_by_load_not_by_other_tenants_chunks(mesh: Mesh) -> None:
+    """The registry counts no tenant's chunks: a request with a cache_salt is not routed
+    by the hits of the prompt's unsalted copies (it could not load them), and loads
+    none wherever it lands."""
+    mesh.a.complete({"model": mesh.model, "prompt": PROMPT, "max_tokens": 1})
+    wait_for(lambda: mesh.best(PROMPT).get("vllm-a", 0) >= 4 * CHUNK, 30, "A's chunks listed")
+    tenant = mesh.metric("route_fallbacks_total", reason="tenant")
+    kv_routes = mesh.metric("routes_total", role="decoder", by="kv")
+    body = {"model": mesh.model, "prompt": PROMPT, "max_tokens": 2, "cache_salt": "alice"}
+    status, answer = mesh.bridge.post("/v1/completions", body, timeout_s=120)
+    assert status == 200, answer
+    assert hit_tokens(answer) == 0
+    assert mesh.metric("route_fallbacks_total", reason="tenant") == tenant + 1
+    assert mesh.metric("routes_total", role="decoder", by="kv") == kv_routes
 
 
 def test_without_the_lookup_server_the_least_loaded_backend_answers(mesh: Mesh) -> None:

@@ -155,6 +155,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
         return {
             "tokens": list(o.outputs[0].token_ids),
             "hit": kvmesh.get("hit_tokens", 0),
+            "saved": kvmesh.get("saved_tokens", 0),
             "cached": o.num_cached_tokens or 0,
             "seconds": seconds,
         }
@@ -439,8 +440,9 @@ def test_a_load_that_cannot_be_planned_is_recomputed_not_read(plain) -> None:
 
 def test_vllm_cache_salt_keeps_kvmesh_chunks_apart(prefix) -> None:
     out, _ = prefix
-    assert out["p_b_first"]["hit"] == 0 and out["p_b_first"]["cached"] == 0
-    assert out["p_a"]["hit"] == 0 and out["p_a"]["cached"] == 0
+    assert out["p_b_first"]["saved"] == 768  # stored under salt b...
+    assert out["p_a"]["hit"] == 0 and out["p_a"]["cached"] == 0  # ...not found under a
+    assert out["p_a"]["saved"] == 768  # and stored again, under a
     for case in ("p_b_first", "p_a"):
         assert out[case]["tokens"] == out["ref_p"]["tokens"]
 

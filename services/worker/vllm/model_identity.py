@@ -8,8 +8,9 @@ load already; what neither sees is a change of the numbers the weights produce:
 
 - the weights quantized at load (`quantization="fp8"` on a bf16 checkpoint) keep the
   path, the KV dtype and the chunk shape, and change every K and V;
-- `hf_overrides` can change the rotary embedding (`rope_parameters`), the attention
-  scaling or the layers themselves;
+- `hf_overrides` and `hf_config_path` can change the rotary embedding
+  (`rope_parameters`), the attention scaling or the layers themselves (the config they
+  give is what is named);
 - `code_revision` picks other modelling code for a remote-code model.
 
 These are added to the name as `+factor=value` only when set, so the common case keeps
@@ -24,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -49,22 +51,39 @@ def hub_commit(model: str, revision: str | None) -> str | None:
     return snapshot.name if snapshot.parent.name == "snapshots" else None
 
 
+# <cache>/models--<org>--<name>/snapshots/<commit>: where vLLM, offline, swaps a hub id
+# for its files (the hub forbids "--" in ids, so the id reads back unambiguously).
+_SNAPSHOT = re.compile(r"(?:.*/)?models--(?P<id>.+?)/snapshots/(?P<commit>[0-9a-f]{40})/?")
+# Keys of a model's config that name where it was read, not what it computes.
+_CONFIG_PROVENANCE = ("_name_or_path", "transformers_version", "_commit_hash")
+
+
 def weights_name(model_config: Any) -> str:
-    """The weights vLLM loads: their path or hub id, with the commit a hub id resolves
+    """The weights vLLM loads: their path or hub id, with the commit a hub id resolved
     to (a branch such as main moves when the repository changes), else the revision
-    when one is set."""
+    when one is set. vLLM resolves the commit once, before it downloads, and keeps it on
+    the revision; failing that, the host's cache says (read later, it may have moved)."""
     model = str(model_config.model)
+    snapshot = _SNAPSHOT.fullmatch(model)
+    if snapshot is not None:
+        return f"{snapshot['id'].replace('--', '/')}@{snapshot['commit']}"
     revision = getattr(model_config, "revision", None)
-    pinned = hub_commit(model, revision) or revision
+    pinned = getattr(revision, "resolved", None) or hub_commit(model, revision) or revision
     return f"{model}@{pinned}" if pinned else model
 
 
-def _overrides_tag(overrides: Any) -> str:
-    if callable(overrides):
-        # A function's effect cannot be read; its name is the closest stable stand-in.
-        return f"{getattr(overrides, '__module__', '?')}.{getattr(overrides, '__qualname__', '?')}"
-    text = json.dumps(overrides, sort_keys=True, separators=(",", ":"), default=repr)
+def _digest(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=repr)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _config_digest(model_config: Any) -> str:
+    """The model config vLLM runs, after hf_overrides (a dict or a function) and from
+    hf_config_path: what they change is what the KV depends on."""
+    config = model_config.hf_config.to_dict()
+    for key in _CONFIG_PROVENANCE:
+        config.pop(key, None)
+    return _digest(config)
 
 
 def variant_suffix(model_config: Any) -> str:
@@ -72,11 +91,16 @@ def variant_suffix(model_config: Any) -> str:
     those weights compute; "" when none is set."""
     parts = []
     quantization = getattr(model_config, "quantization", None)
-    if quantization:
+    hf_config = getattr(model_config, "hf_config", None)
+    # A checkpoint's own quantization is named by its path already (and vLLM's name
+    # for it varies by platform); quantizing at load is not.
+    if quantization and getattr(hf_config, "quantization_config", None) is None:
         parts.append(f"+quantization={quantization}")
-    overrides = getattr(model_config, "hf_overrides", None)
-    if overrides:
-        parts.append(f"+hf_overrides={_overrides_tag(overrides)}")
+        options = getattr(model_config, "quantization_config", None)
+        if options:
+            parts.append(f"+quantization_config={_digest(options)}")
+    if getattr(model_config, "hf_overrides", None) or getattr(model_config, "hf_config_path", None):
+        parts.append(f"+config={_config_digest(model_config)}")
     code_revision = getattr(model_config, "code_revision", None)
     if code_revision:
         parts.append(f"+code_revision={code_revision}")

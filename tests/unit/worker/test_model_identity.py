@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from vllm.config import ModelConfig
@@ -35,23 +36,45 @@ def test_quantization_at_load_changes_the_name(path: str) -> None:
     assert name == f"{path}+quantization=fp8"
 
 
-def test_hf_overrides_change_the_name_by_their_content(path: str) -> None:
-    one = model_identity(ModelConfig(model=path, hf_overrides=ROPE))
-    same = model_identity(
-        ModelConfig(
-            model=path,
-            hf_overrides={"rope_parameters": dict(reversed(ROPE["rope_parameters"].items()))},
-        )
+def test_the_config_run_names_the_variant_however_it_was_given(path: str, tmp_path) -> None:
+    """hf_overrides (a dict or a function) and hf_config_path are named by the config
+    vLLM then runs: the same config, the same name; another, another."""
+
+    def same_rope(config):
+        config.rope_parameters = dict(ROPE["rope_parameters"])
+        return config
+
+    def named(**kwargs) -> str:
+        return model_identity(ModelConfig(model=path, **kwargs))
+
+    one = named(hf_overrides=ROPE)
+    assert one.startswith(f"{path}+config=") and one != path
+    reordered = {"rope_parameters": dict(reversed(ROPE["rope_parameters"].items()))}
+    assert named(hf_overrides=reordered) == one  # key order is not content
+    assert named(hf_overrides=same_rope) == one  # a function with the same effect
+    other = {"rope_parameters": {"rope_theta": 60000.0, "rope_type": "default"}}
+    assert named(hf_overrides=other) not in (one, path)
+    assert named(hf_overrides=lambda c: c) not in (one, path)  # flagged, its own name
+    # Another config file for the same weights.
+    alt = tmp_path / "alt"
+    alt.mkdir()
+    config = json.loads((Path(path) / "config.json").read_text())
+    config["rope_parameters"] = dict(ROPE["rope_parameters"])
+    (alt / "config.json").write_text(json.dumps(config))
+    assert named(hf_config_path=str(alt)) == one
+
+
+def test_a_checkpoints_own_quantization_is_named_by_its_path() -> None:
+    """vLLM reports a quantized checkpoint's method too (its spelling differs by
+    platform: awq on CPU, auto_awq on GPU); the path names those weights already."""
+    checkpoint = SimpleNamespace(
+        model="/models/llama-awq",
+        revision=None,
+        quantization="awq",
+        quantization_config=None,
+        hf_config=SimpleNamespace(quantization_config={"quant_method": "awq", "bits": 4}),
     )
-    other = model_identity(
-        ModelConfig(
-            model=path,
-            hf_overrides={"rope_parameters": {"rope_theta": 60000.0, "rope_type": "default"}},
-        )
-    )
-    assert one.startswith(f"{path}+hf_overrides=") and one != path
-    assert same == one  # key order is not content
-    assert other not in (one, path)
+    assert model_identity(checkpoint) == "/models/llama-awq"
 
 
 def test_a_configured_name_stands_for_the_path_only(path: str) -> None:
@@ -63,11 +86,17 @@ def test_a_configured_name_stands_for_the_path_only(path: str) -> None:
 HUB_SCRIPT = """
 import json, sys
 from pathlib import Path
+from vllm.engine.arg_utils import EngineArgs
 from vllm.config import ModelConfig
 from kvmesh.services.worker.vllm.model_identity import model_identity
 refs = Path(sys.argv[1]) / "models--kvmesh-test--tiny" / "refs"
-names = [model_identity(ModelConfig(model="kvmesh-test/tiny"))]
+# As vLLM builds it when serving (offline, it swaps the id for the snapshot's path).
+served = EngineArgs(model="kvmesh-test/tiny").create_model_config()
+plain = ModelConfig(model="kvmesh-test/tiny")
+names = [model_identity(served), model_identity(plain)]
 (refs / "main").write_text(sys.argv[3])  # the branch moved: a newer download
+# Configs built before the move name the files they were built from.
+names += [model_identity(served), model_identity(plain)]
 names.append(model_identity(ModelConfig(model="kvmesh-test/tiny")))
 names.append(model_identity(ModelConfig(model="kvmesh-test/tiny", revision="v1")))
 print(json.dumps(names))
@@ -99,4 +128,4 @@ def test_a_hub_id_is_pinned_to_the_commit_its_files_came_from(path: str, tmp_pat
     assert run.returncode == 0, run.stderr[-3000:]
     names = json.loads(run.stdout.strip().splitlines()[-1])
     hub = "kvmesh-test/tiny"
-    assert names == [f"{hub}@{old}", f"{hub}@{new}", f"{hub}@{old}"]
+    assert names == [f"{hub}@{c}" for c in (old, old, old, old, new, old)]
