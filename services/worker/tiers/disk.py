@@ -274,7 +274,7 @@ class DiskTier:
         self.stats.reindex_seconds.set(0)
         counts = {"kept": 0, "deleted": 0, "evicted": 0, "ignored": 0, "kept_bytes": 0}
         try:
-            listing = list_dir(self.path, own_run_id=self._run_id)
+            listing = list_dir(self.path, own_run_id=self._run_id, private=True)
         except OSError as exc:
             log.warning("disk re-index: directory unreadable", path=self.path, error=str(exc))
             return

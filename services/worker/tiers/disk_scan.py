@@ -17,6 +17,7 @@ when the kept files exceed the maximum size the oldest go first (the newest for 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -57,9 +58,11 @@ class ScannedFile:
         return self.problem is None
 
 
-def list_dir(path: str, own_run_id: str | None = None) -> Listing:
+def list_dir(path: str, own_run_id: str | None = None, *, private: bool = False) -> Listing:
     """One pass over path (one stat per chunk file). Temporary files of own_run_id
-    (the running tier's writes in flight) are neither listed nor deleted."""
+    (the running tier's writes in flight) are neither listed nor deleted. private (the
+    tier's own re-index, not a scan): chunk files others may read are made 0600, as
+    the tier writes them now (files written before 2026-11-27 were 0644)."""
     chunks: list[tuple[str, int, int]] = []
     temps: list[str] = []
     ignored: list[str] = []
@@ -85,6 +88,9 @@ def list_dir(path: str, own_run_id: str | None = None) -> Listing:
             if not entry.is_file(follow_symlinks=False):
                 ignored.append(name)
                 continue
+            if private and st.st_mode & 0o077:
+                with contextlib.suppress(OSError):  # not ours to change: left as it is
+                    os.chmod(entry.path, 0o600)
             chunks.append((name, st.st_size, st.st_mtime_ns))
     chunks.sort(key=lambda c: (c[2], c[0]))
     return Listing(chunks, temps, ignored)

@@ -42,7 +42,7 @@ from kvmesh.services.worker.tiers.disk_format import (
     is_temp_file_name,
     temp_file_name,
 )
-from kvmesh.services.worker.tiers.remote_connector import Fetched, StoreFull
+from kvmesh.services.worker.tiers.remote_connector import Fetched, StoreFull, ValueRefused
 
 log = get_logger(__name__)
 
@@ -110,8 +110,28 @@ class FsConnector:
             return False
         return ro and os.access(self.root, os.R_OK | os.X_OK)
 
+    def _fs_now(self) -> float | None:
+        """The shared filesystem's own clock (a new file's mtime): the temporary files'
+        mtimes come from it, and on NFS this host's clock may be hours off (a worker
+        fast by more than STALE_TEMP_S removed other workers' live writes). None where
+        nothing can be written: nothing could be removed either."""
+        probe = self.root / f".clock.{self._run}.{threading.get_ident()}"
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        except OSError:
+            return None
+        try:
+            return os.fstat(fd).st_mtime
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(probe)
+
     def _sweep_temps(self) -> None:
-        cutoff = time.time() - STALE_TEMP_S
+        now = self._fs_now()
+        if now is None:
+            return
+        cutoff = now - STALE_TEMP_S
         n = 0
         try:
             with os.scandir(self.root) as namespaces:
@@ -148,6 +168,10 @@ class FsConnector:
             # puts in a row failing marked it so, and every get then missed).
             if exc.errno in _REFUSING:
                 raise StoreFull(f"{_REFUSING[exc.errno]}{self.root}: {exc.strerror}") from None
+            if exc.errno in (errno.EISDIR, errno.ENOTDIR, errno.ENOTEMPTY):
+                # Something not a file holds the chunk's name: that chunk stays local,
+                # the store is fine (three such puts in a row marked it down).
+                raise ValueRefused(f"{exc.filename2 or exc.filename}: {exc.strerror}") from None
             raise
 
     def _write(self, key: ChunkKey, raw_header: bytes, payload: Any) -> None:
@@ -206,7 +230,9 @@ class FsConnector:
     def _unlink_all(paths: list[Path]) -> int:
         n = 0
         for p in paths:
-            with contextlib.suppress(FileNotFoundError):
+            # A directory under a chunk's name is not ours to remove, nor a reason to
+            # leave the rest of the batch.
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError, PermissionError):
                 os.unlink(p)
                 n += 1
         return n

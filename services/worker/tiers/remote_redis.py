@@ -47,8 +47,16 @@ DEFAULT_MAX_VALUE = 512 << 20
 CLEAR_BATCH = 500
 _GLOB = re.compile(r"([*?\[\]\\])")
 # How a pooled connection the server closed while it sat idle (Redis's `timeout`, a
-# proxy's idle limit) shows at its next command.
-_CLOSED_BY_SERVER = ("closed by server", "reset by peer", "broken pipe")
+# proxy's idle limit) shows at its next command: a ConnectionError, or under uvloop,
+# whose transport is gone after a reset, a RuntimeError.
+_CLOSED_BY_SERVER = ("closed by server", "reset by peer", "broken pipe", "handler is closed")
+# Larger values, cut off by the server (over its limits, which it may not tell), are
+# not sent a second time: a value this small is never over them.
+_RESEND_MAX = 1 << 20
+
+
+def _closed_by_server(exc: BaseException) -> bool:
+    return any(s in str(exc).lower() for s in _CLOSED_BY_SERVER)
 
 
 class RedisConnector:
@@ -123,8 +131,8 @@ class RedisConnector:
         remembers as present, as it did at the failed request."""
         try:
             return await request()
-        except RedisConnectionError as exc:
-            if not any(s in str(exc).lower() for s in _CLOSED_BY_SERVER):
+        except (RedisConnectionError, RuntimeError) as exc:
+            if not _closed_by_server(exc):
                 raise
             self.disconnects += 1
         return await request()
@@ -137,11 +145,20 @@ class RedisConnector:
 
     @staticmethod
     async def _max_value(client: Any) -> int:
-        try:
-            reply = await client.config_get("proto-max-bulk-len")
-            return int(reply["proto-max-bulk-len"])
-        except (ResponseError, KeyError, TypeError, ValueError):
-            return DEFAULT_MAX_VALUE
+        """The largest value the server takes: the smaller of its largest string and
+        its largest command; DEFAULT_MAX_VALUE where it will not say (CONFIG renamed, a
+        managed Redis, an ACL, a proxy that drops the connection): the probe never
+        decides the store's health, and puts that the server cuts off teach the limit
+        (put)."""
+        limit = DEFAULT_MAX_VALUE
+        # The query buffer holds the whole SET: the key and framing besides the value.
+        for name, framing in (("proto-max-bulk-len", 0), ("client-query-buffer-limit", 4096)):
+            try:
+                reply = await client.config_get(name)
+                limit = min(limit, int(reply[name]) - framing)
+            except Exception:  # whatever the probe meets, the default stands
+                continue
+        return limit
 
     async def put(self, key: ChunkKey, header: ChunkHeader, packed: bytes, payload: Any) -> None:
         n = len(packed) + header.stored_nbytes
@@ -155,14 +172,37 @@ class RedisConnector:
             value = b"".join(parts)
         else:  # a copy of megabytes (bytes.join lets go of the GIL for it)
             value = await offload.offload(b"".join, parts)
+        client, name = self._client(), self._name(key)
         try:
-            client, name = self._client(), self._name(key)
-            await self._once_more(lambda: client.set(name, value))
+            if len(value) <= _RESEND_MAX:
+                await self._once_more(lambda: client.set(name, value))
+            else:
+                await client.set(name, value)
         except OutOfMemoryError as exc:
             # At maxmemory with noeviction: writes are refused, reads still served, so
             # not a store down (three such puts in a row marked it so, and back up at
             # the next ping, over and over, every get a miss meanwhile).
             raise StoreFull(f"redis: {exc}") from None
+        except ResponseError as exc:
+            if "invalid bulk length" not in str(exc).lower():
+                raise
+            raise self._learned_limit(len(value), exc) from None
+        except (RedisConnectionError, RuntimeError) as exc:
+            # Cut off mid-value. A limit the server did not tell (a larger value must
+            # fit its query buffer too), or a server going away: it answers a ping on
+            # a fresh connection only in the first case.
+            if len(value) <= _RESEND_MAX or not _closed_by_server(exc):
+                raise
+            try:
+                await client.ping()
+            except Exception:  # the store's trouble, not the value's
+                raise exc from None
+            raise self._learned_limit(len(value), exc) from None
+
+    def _learned_limit(self, n: int, exc: BaseException) -> ValueRefused:
+        """Values of n bytes and more are not sent again on this connection."""
+        self.max_value = min(self.max_value or DEFAULT_MAX_VALUE, n - 1)
+        return ValueRefused(f"redis refused a value of {n} bytes ({exc}); larger ones stay local")
 
     async def get(self, key: ChunkKey) -> Fetched | None:
         name = self._name(key)

@@ -240,3 +240,18 @@ def test_chunk_files_are_readable_by_the_engines_user_only(tmp_path: Path, pool)
         assert all(f.stat().st_mode & 0o777 == 0o600 for f in files), files
     assert made.stat().st_mode & 0o777 == 0o700
     assert existing.stat().st_mode & 0o777 == 0o750
+
+
+def test_chunk_files_written_before_are_made_private_at_the_reindex(tmp_path: Path, pool) -> None:
+    """Files of an older kvmesh (0644) are closed when the tier starts on them."""
+    filled_dir(tmp_path, pool, 2)
+    for name in chunk_files(tmp_path):
+        os.chmod(tmp_path / name, 0o644)
+    tier = DiskTier(tmp_path, 64 * MiB, io_threads=2)
+    try:
+        assert tier.wait_indexed(10)
+        modes = [os.stat(tmp_path / n).st_mode & 0o777 for n in chunk_files(tmp_path)]
+        assert modes == [0o600, 0o600]
+        assert read_ok(tier, pool, 0) and read_ok(tier, pool, 1)
+    finally:
+        tier.close()
