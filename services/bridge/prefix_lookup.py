@@ -63,6 +63,10 @@ _tokenize_reply = msgspec.json.Decoder(TokenizeReply)
 _encoder = msgspec.json.Encoder()
 
 
+# LookupFailed reasons that come from the request itself.
+_REQUEST_REASONS = ("batch", "tenant")
+
+
 def names_a_tenant(body: Mapping[str, Any]) -> bool:
     """Whether the request's chunks live under a tenant of their own (vLLM's cache_salt,
     or the kvmesh tenant in kv_transfer_params): the registry counts no tenant's chunks,
@@ -142,10 +146,17 @@ class PrefixLookup:
         try:
             found = await self._hits(endpoint, body, tokenizer, headers)
         except LookupFailed as exc:
+            if exc.reason in _REQUEST_REASONS:
+                # This request's own shape, not the lookup's health: the state of the
+                # once-per-reason warnings is left as it is.
+                log.debug("KV-aware routing skipped", reason=exc.reason, error=str(exc))
+                raise
             if exc.reason != self._failing:
-                log_at = log.debug if exc.reason in ("batch", "tenant") else log.warning
-                log_at("KV-aware routing failed; least loaded instead (said once per reason)",
-                       reason=exc.reason, error=str(exc))  # fmt: skip
+                log.warning(
+                    "KV-aware routing failed; least loaded instead (said once per reason)",
+                    reason=exc.reason,
+                    error=str(exc),
+                )
                 self._failing = exc.reason
             raise
         if self._failing:

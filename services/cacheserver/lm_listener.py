@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import mmap
 import re
 import socket
 
@@ -76,27 +75,34 @@ class _Close(Exception):
     """End this connection (after whatever reply was written)."""
 
 
-# What follows the model name in every key LMCache builds: world size, worker id, chunk
-# hash (hex, "-" for a negative int), dtype, then a layer id and `k%v` tags, if any.
-_KEY_AFTER_MODEL = re.compile(r"@\d+@\d+@-?[0-9a-f]+@\w+(@\d+)?(@[^@%]*%[^@]*)*")
+# The end of every key LMCache builds: world size, worker id, chunk hash (hex, "-" for
+# a negative int), dtype, then a layer id and `k%v` tags, if any (a model name or a
+# tag's value may hold anything, "@" included).
+_KEY_END = re.compile(r"@\d+@\d+@-?[0-9a-f]+@\w+(?:@\d+)?(?P<tags>@[^@%]*%.*)?\Z")
+# A padded key ending in a tag this close to the 150 bytes may have been cut at a
+# space inside that tag's value, which still ends like a key.
+_TAG_CUT_MARGIN = 16
 
 
 def maybe_cut(key_field: bytes) -> bool:
     """Whether a request's 150-byte key field may hold a key LMCache's client cut short
     (see module doc). Only a key that is not ASCII can be. With no space padding left it
     may be; with padding it still may, if the cut fell on a space (which LMCache keys
-    hold only in the model name or a tag), so it must then end as a key LMCache builds."""
+    hold only in the model name or a tag's value): it must then end as LMCache's keys
+    do, and not in a tag close to the limit."""
     if key_field.isascii():
         return False
     if key_field[-1:] != b" ":
         return True
+    content = key_field.rstrip(b" ")
     try:
-        text = key_field.rstrip(b" ").decode()
+        text = content.decode()
     except UnicodeDecodeError:
         return True
-    # A cut in the model name leaves no dtype field; the rest of the key is ASCII.
-    model_end = text.find("@")
-    return model_end < 0 or _KEY_AFTER_MODEL.fullmatch(text, model_end) is None
+    end = _KEY_END.search(text)
+    if end is None:
+        return True  # a cut in the model name leaves no dtype field
+    return end["tags"] is not None and len(content) > lm.KEY_BYTES - _TAG_CUT_MARGIN
 
 
 class LmListener:
@@ -272,7 +278,15 @@ class LmListener:
             # The client believes the new value stored: never serve it the old one.
             self.store.delete(key)
             return
-        payload = await self._read_payload(reader, req.length)
+        try:
+            payload = await self._read_payload(reader, req.length)
+        except MemoryError:
+            # The server is short of memory, not the client wrong: drop this value
+            # and stay in step (the rest of it is read and dropped).
+            self.stats.errors[ErrorCode.INTERNAL].inc()
+            log.warning("lm:// put dropped: out of memory", nbytes=req.length)
+            self.store.delete(key)
+            return
         try:
             big = len(payload) >= offload.OFFLOAD_FROM
             actual = (await checksums_off_loop([payload]))[0] if big else None
@@ -285,24 +299,32 @@ class LmListener:
             return
         self.stats.bytes_in.inc(entry.nbytes)
 
-    async def _read_payload(self, reader: asyncio.StreamReader, n: int) -> bytearray | mmap.mmap:
+    async def _read_payload(self, reader: asyncio.StreamReader, n: int) -> bytearray:
         """An n-byte payload, read into its own buffer as it arrives: readexactly would
         hold it twice at the end (the stream's buffer and its copy), 2x a value's memory
-        for each PUT in flight. A large buffer is an anonymous mapping, whose pages cost
-        memory only as bytes arrive: a bytearray is zero-filled (committed) at once, on
-        the event loop, so headers alone announcing large PUTs would commit memory and
-        stall every client."""
-        payload: bytearray | mmap.mmap = bytearray(n) if n < _READ_CHUNK else mmap.mmap(-1, n)
-        view = memoryview(payload)
+        for each PUT in flight. The buffer grows with what arrives (large ones by
+        mremap, no copy): sized at the header, it was zero-filled (committed) at once,
+        on the event loop, so headers alone announcing large PUTs committed memory and
+        stalled every client; a mapping per value instead ran out of the process's
+        mappings (65530) at 1 MiB values."""
+        payload = bytearray()
         got = 0
         async with asyncio.timeout(self.config.request_timeout_s):
             while got < n:
                 chunk = await reader.read(min(n - got, _READ_CHUNK))
                 if not chunk:
                     raise asyncio.IncompleteReadError(b"", n - got)
-                view[got : got + len(chunk)] = chunk
                 got += len(chunk)
-        return payload
+                try:
+                    payload += chunk
+                except MemoryError:
+                    del payload
+                    break
+            else:
+                return payload
+        # Out of memory: the rest is read and dropped, so the connection stays in step.
+        await self._skip(reader, n - got)
+        raise MemoryError(f"no memory for a {n}-byte value")
 
     async def _skip(self, reader: asyncio.StreamReader, n: int) -> None:
         """Read and drop an n-byte payload, under the same deadline as one kept."""

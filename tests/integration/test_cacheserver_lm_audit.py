@@ -212,6 +212,23 @@ def test_keys_cut_at_a_character_boundary_never_serve_each_other(server) -> None
         c.close()
 
 
+def test_a_key_cut_on_a_space_inside_a_tag_is_never_found(server) -> None:
+    """Two 153-byte keys that differ after a space in a tag's value arrive as one
+    (LMCache's client cuts at 150 bytes); what is left still ends like a key, so near
+    the limit a padded key ending in a tag is refused."""
+    c = Raw(server.lm_port)
+    try:
+        keys = [(CJK * 42 + f"@1@0@abc@half@user%Jane {who}").encode() for who in ("Doe", "Roe")]
+        assert all(len(k) > lm.KEY_BYTES for k in keys)
+        cut = keys[0][: lm.KEY_BYTES]
+        assert cut == keys[1][: lm.KEY_BYTES] and cut.endswith(b" ")
+        c.send(lm.Command.PUT, cut, b"doe's KV")
+        assert c.code(lm.Command.EXIST, cut) == 400
+        assert c.get(cut)[0][0] == 400
+    finally:
+        c.close()
+
+
 def test_key_cut_inside_a_character_keeps_the_connection(server) -> None:
     """A key cut inside a character is not UTF-8, but it is what LMCache's client sends
     for a long non-ASCII model name: a miss, not a closed connection."""
@@ -259,6 +276,8 @@ def test_keys_that_cannot_have_been_cut_still_work(server) -> None:
             ("é" * 68 + tail).encode(),
             (CJK * 45 + tail).encode(),
             (CJK * 10 + tail + "@3@lmcache.tag.s%a b").encode(),
+            ("/models/模型@v2" + tail).encode(),  # "@" in the model name
+            (CJK + tail + "@lmcache.tag.user%josé@example.com").encode(),  # in a tag
             b"pad   ",
         ):
             c.send(lm.Command.PUT, key, key[:20])
@@ -354,6 +373,28 @@ def test_headers_alone_of_large_puts_commit_no_memory_and_stall_no_one(tmp_path)
     finally:
         for c in (good, *idle):
             c.close()
+        assert srv.stop() == 0, srv.log.read_text()[-2000:]
+
+
+def test_stored_values_take_no_memory_mapping_each(tmp_path) -> None:
+    """A mapping per stored value ran the process out of mappings (65530 on Linux) at
+    64 GiB of 1 MiB values: the next PUT reset LMCache's connection for good."""
+    srv = CacheServerProcess(
+        tmp_path, lm=True, **{"max-memory": "512MiB", "max-value-size": "4MiB"}
+    ).start()
+    assert srv.proc is not None
+    maps = Path(f"/proc/{srv.proc.pid}/maps")
+    c = Raw(srv.lm_port)
+    try:
+        before = len(maps.read_text().splitlines())
+        value = os.urandom(1 << 20)
+        for i in range(200):
+            c.send(lm.Command.PUT, f"m@1@0@{i:x}@half".encode(), value)
+        assert c.code(lm.Command.EXIST, b"m@1@0@c7@half") == 200
+        grown = len(maps.read_text().splitlines()) - before
+        assert grown < 50, f"{grown} mappings more for 200 values"
+    finally:
+        c.close()
         assert srv.stop() == 0, srv.log.read_text()[-2000:]
 
 

@@ -277,12 +277,36 @@ def test_a_limit_redis_does_not_tell_is_learned_not_a_down_store(redis, tiers, l
         after = int(
             cli(redis.port, "info", "stats").split("total_connections_received:")[1].split()[0]
         )
-        assert after - connects <= 2  # one value cut off, not each one sent twice
+        # One value cut off twice (again once a ping showed Redis up); the rest unsent.
+        assert after - connects <= 3
         small = chunk(big_pool, 6)
         tier.submit_put(key(1), small)
         small.ref_down()
         assert tier.flush(5)
         assert counted(tier, "remote_puts_total", "written") == 1
+    finally:
+        big_pool.close()
+
+
+def test_a_large_put_on_a_connection_closed_while_idle_is_stored(redis, tiers) -> None:
+    """A 2 MiB put meeting a pooled connection Redis closed while idle is cut off like
+    one over an untold limit: it must be sent again once Redis answers, and teach no
+    limit (one idle spell left every later chunk refused as too_large)."""
+    cli(redis.port, "config", "set", "timeout", "1")
+    big_pool = HostMemoryPool(32 << 20, 4 << 20, pin_memory=False)
+    try:
+        tier = tiers(redis.url, health_interval_s=30.0)
+        assert tier.wait_ready(5)
+        for i in range(4):
+            obj = big_pool.allocate(BIG, torch.float16, MemoryFormat.KV_2LTD)
+            obj.raw.fill_(i)
+            tier.submit_put(key(300 + i), obj)
+            obj.ref_down()
+            assert tier.flush(5)
+            time.sleep(2.5 if i < 2 else 0)  # Redis closes the idle connections
+        assert counted(tier, "remote_puts_total", "written") == 4
+        assert counted(tier, "remote_puts_total", "too_large") == 0
+        assert tier.up, tier.health.reason
     finally:
         big_pool.close()
 
@@ -384,6 +408,20 @@ def test_a_directory_under_a_chunk_name_is_a_corrupt_miss_not_a_down_store(
     assert back is not None and torch.equal(back.raw, good.raw)
     back.ref_down()
     good.ref_down()
+
+
+def test_a_file_under_a_namespace_directorys_name_refuses_puts_only(tmp_path, tiers, pool) -> None:
+    (tmp_path / NS).write_bytes(b"someone else's")  # where the namespace directory goes
+    tier = tiers(f"fs://{tmp_path}", absence_ttl_s=0)
+    assert tier.wait_ready(5)
+    for i in range(4):
+        obj = chunk(pool, 40 + i)
+        tier.submit_put(key(i), obj)
+        obj.ref_down()
+        assert tier.flush(5)
+        assert tier.up, tier.health.reason  # was down after three (FileExistsError)
+    assert counted(tier, "remote_puts_total", "error") == 0
+    assert counted(tier, "remote_puts_total", "too_large") == 4
 
 
 def test_a_fifo_under_a_chunk_name_holds_no_io_thread(tmp_path, tiers, pool) -> None:

@@ -168,9 +168,10 @@ class FsConnector:
             # puts in a row failing marked it so, and every get then missed).
             if exc.errno in _REFUSING:
                 raise StoreFull(f"{_REFUSING[exc.errno]}{self.root}: {exc.strerror}") from None
-            if exc.errno in (errno.EISDIR, errno.ENOTDIR, errno.ENOTEMPTY):
-                # Something not a file holds the chunk's name: that chunk stays local,
-                # the store is fine (three such puts in a row marked it down).
+            if exc.errno in (errno.EISDIR, errno.ENOTDIR, errno.ENOTEMPTY, errno.EEXIST):
+                # Something not a file holds the chunk's name (or a file the name of
+                # its namespace directory): that chunk stays local, the store is fine
+                # (three such puts in a row marked it down).
                 raise ValueRefused(f"{exc.filename2 or exc.filename}: {exc.strerror}") from None
             raise
 

@@ -50,8 +50,8 @@ _GLOB = re.compile(r"([*?\[\]\\])")
 # proxy's idle limit) shows at its next command: a ConnectionError, or under uvloop,
 # whose transport is gone after a reset, a RuntimeError.
 _CLOSED_BY_SERVER = ("closed by server", "reset by peer", "broken pipe", "handler is closed")
-# Larger values, cut off by the server (over its limits, which it may not tell), are
-# not sent a second time: a value this small is never over them.
+# Values up to this size are sent again at once when cut off (never over a server's
+# limits); larger ones only once a ping shows the server up (_set_large).
 _RESEND_MAX = 1 << 20
 
 
@@ -177,7 +177,7 @@ class RedisConnector:
             if len(value) <= _RESEND_MAX:
                 await self._once_more(lambda: client.set(name, value))
             else:
-                await client.set(name, value)
+                await self._set_large(client, name, value)
         except OutOfMemoryError as exc:
             # At maxmemory with noeviction: writes are refused, reads still served, so
             # not a store down (three such puts in a row marked it so, and back up at
@@ -187,16 +187,31 @@ class RedisConnector:
             if "invalid bulk length" not in str(exc).lower():
                 raise
             raise self._learned_limit(len(value), exc) from None
+
+    async def _set_large(self, client: Any, name: str, value: bytes) -> None:
+        """SET of a value over _RESEND_MAX. Cut off, it is one of: a pooled connection
+        that sat idle and was closed, a limit the server did not tell (CONFIG not
+        allowed; the query buffer), or a server going away. A ping (a fresh connection
+        if need be) rules out the last; the value then goes once more, on a live
+        connection, and only a second cut teaches a limit (one idle close must not:
+        every chunk is this size, and all would stay local)."""
+        try:
+            await client.set(name, value)
+            return
         except (RedisConnectionError, RuntimeError) as exc:
-            # Cut off mid-value. A limit the server did not tell (a larger value must
-            # fit its query buffer too), or a server going away: it answers a ping on
-            # a fresh connection only in the first case.
-            if len(value) <= _RESEND_MAX or not _closed_by_server(exc):
+            if not _closed_by_server(exc):
                 raise
-            try:
-                await client.ping()
-            except Exception:  # the store's trouble, not the value's
-                raise exc from None
+            first = exc
+        self.disconnects += 1  # as _once_more: a restart looks the same
+        try:
+            await self._once_more(client.ping)
+        except Exception:  # the store's trouble, not the value's
+            raise first from None
+        try:
+            await client.set(name, value)
+        except (RedisConnectionError, RuntimeError) as exc:
+            if not _closed_by_server(exc):
+                raise
             raise self._learned_limit(len(value), exc) from None
 
     def _learned_limit(self, n: int, exc: BaseException) -> ValueRefused:

@@ -96,9 +96,11 @@ def variant_suffix(model_config: Any) -> str:
     # for it varies by platform); quantizing at load is not.
     if quantization and getattr(hf_config, "quantization_config", None) is None:
         parts.append(f"+quantization={quantization}")
-        options = getattr(model_config, "quantization_config", None)
-        if options:
-            parts.append(f"+quantization_config={_digest(options)}")
+    # Online quantization options, also over a quantized checkpoint: vLLM composes the
+    # two (it may quantize the layers the checkpoint left in bf16, attention included).
+    options = getattr(model_config, "quantization_config", None)
+    if options:
+        parts.append(f"+quantization_config={_digest(options)}")
     if getattr(model_config, "hf_overrides", None) or getattr(model_config, "hf_config_path", None):
         parts.append(f"+config={_config_digest(model_config)}")
     code_revision = getattr(model_config, "code_revision", None)

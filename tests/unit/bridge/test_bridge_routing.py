@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 from collections.abc import Iterator
 
+import aiohttp
 import msgspec
 import pytest
+from structlog.testing import capture_logs
 
 from kvmesh.common.config import config_from_dict
 from kvmesh.services.bridge.backends import Backend, BackendPool
-from kvmesh.services.bridge.prefix_lookup import LookupFailed, prompt_token_ids, tokenize_body
+from kvmesh.services.bridge.prefix_lookup import (
+    LookupFailed,
+    PrefixLookup,
+    prompt_token_ids,
+    tokenize_body,
+)
 from kvmesh.services.bridge.proxy import Proxy
 from kvmesh.services.bridge.routing import PrefixHits, choose, whole_prompt_tokens
 from kvmesh.services.bridge.stats import BridgeStats
@@ -180,3 +188,27 @@ def test_tokenize_bodies_render_as_the_request_would() -> None:
         "chat_template_kwargs": {"x": 1},
         "add_generation_prompt": False,
     }
+
+
+async def test_tenant_requests_skip_the_lookup_and_leave_its_warning_state() -> None:
+    """A request with a cache_salt (or a kvmesh tenant) is not looked up: the registry
+    counts no tenant's chunks. Such requests between failing lookups must not make the
+    once-per-reason warning repeat (20 salted/unsalted pairs logged 20 warnings)."""
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there: every lookup times out
+    cfg = config_from_dict(
+        {"bridge": {"lookup_url": f"tcp://127.0.0.1:{port}", "lookup_timeout_s": 0.05}}
+    ).bridge
+    ids = list(range(600))
+    salted = {"prompt": ids, "cache_salt": "alice"}
+    tenant = {"prompt": ids, "kv_transfer_params": {"kvmesh": {"tenant": "bob"}}}
+    async with aiohttp.ClientSession() as session, PrefixLookup(cfg, session) as lookup:
+        with capture_logs() as logs:
+            for body in (salted, {"prompt": ids}, tenant, {"prompt": ids}) * 3:
+                with pytest.raises(LookupFailed) as failed:
+                    await lookup.hits("completions", body, None, {})
+                assert failed.value.reason == ("lookup_timeout" if len(body) == 1 else "tenant")
+    warnings = [e for e in logs if e["log_level"] == "warning"]
+    assert len(warnings) == 1 and warnings[0]["reason"] == "lookup_timeout"

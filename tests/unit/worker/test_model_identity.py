@@ -75,6 +75,10 @@ def test_a_checkpoints_own_quantization_is_named_by_its_path() -> None:
         hf_config=SimpleNamespace(quantization_config={"quant_method": "awq", "bits": 4}),
     )
     assert model_identity(checkpoint) == "/models/llama-awq"
+    # Online quantization composed over it (vLLM may quantize the layers the checkpoint
+    # left in bf16, attention included) is named.
+    composed = SimpleNamespace(**{**vars(checkpoint), "quantization_config": {"linear": "fp8"}})
+    assert model_identity(composed).startswith("/models/llama-awq+quantization_config=")
 
 
 def test_a_configured_name_stands_for_the_path_only(path: str) -> None:
