@@ -166,7 +166,8 @@ class LookupServer:
             # $KVMESH_IPC_DIR or the endpoint) is theirs, and may be shared on purpose
             # (a sticky 1777 one, a group's). Below it, everything is the owner's.
             builtin = proto.builtin_ipc_dir()
-            if path.parent == builtin or builtin in path.parent.parents:
+            parent = Path(os.path.normpath(path.parent))  # "/tmp/kvmesh-0/../kvmesh-0"
+            if parent == builtin or builtin in parent.parents:
                 _make_private(builtin)
             if _live_unix_socket(path):
                 # ZMQ would silently unlink it and steal the address.

@@ -89,11 +89,22 @@ def list_dir(path: str, own_run_id: str | None = None, *, private: bool = False)
                 ignored.append(name)
                 continue
             if private and st.st_mode & 0o077:
-                with contextlib.suppress(OSError):  # not ours to change: left as it is
-                    os.chmod(entry.path, 0o600)
+                _make_private(entry.path)
             chunks.append((name, st.st_size, st.st_mtime_ns))
     chunks.sort(key=lambda c: (c[2], c[0]))
     return Listing(chunks, temps, ignored)
+
+
+def _make_private(path: str) -> None:
+    """chmod 0600 the file at path, never through a link put there since its stat; a
+    file not ours to change is left as it is."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    with contextlib.suppress(OSError):
+        fd = os.open(path, flags)
+        try:
+            os.fchmod(fd, 0o600)
+        finally:
+            os.close(fd)
 
 
 def _is_dir(entry: os.DirEntry[str]) -> bool:
