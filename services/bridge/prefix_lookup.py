@@ -64,7 +64,7 @@ _encoder = msgspec.json.Encoder()
 
 
 # LookupFailed reasons that come from the request itself.
-_REQUEST_REASONS = ("batch", "tenant")
+_REQUEST_REASONS = ("batch", "tenant", "tokenize_refused")
 
 
 def names_a_tenant(body: Mapping[str, Any]) -> bool:
@@ -218,7 +218,9 @@ class PrefixLookup:
             # Often the client's own mistake (an unknown model): the decode gets the same
             # answer from the backend, and passes it on.
             text = answer[:300].decode(errors="replace")
-            raise LookupFailed("tokenize", f"{backend.url}/tokenize answered {resp.status}: {text}")
+            # A 4xx is this request's own fault (an unknown model...), not the backend's.
+            reason = "tokenize_refused" if 400 <= resp.status < 500 else "tokenize"
+            raise LookupFailed(reason, f"{backend.url}/tokenize answered {resp.status}: {text}")
         try:
             return _tokenize_reply.decode(answer).tokens
         except msgspec.DecodeError as exc:

@@ -42,6 +42,7 @@ ROUTE_FALLBACK_REASONS = (
     "batch",
     "tenant",
     "tokenize",
+    "tokenize_refused",
     "tokenize_timeout",
     "lookup_timeout",
     "lookup_error",

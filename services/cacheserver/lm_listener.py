@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import mmap
 import re
 import socket
 
@@ -75,21 +76,24 @@ class _Close(Exception):
     """End this connection (after whatever reply was written)."""
 
 
+class _Dropped(Exception):
+    """No memory for a PUT's payload: it was read and dropped, the connection is in step."""
+
+
 # The end of every key LMCache builds: world size, worker id, chunk hash (hex, "-" for
 # a negative int), dtype, then a layer id and `k%v` tags, if any (a model name or a
 # tag's value may hold anything, "@" included).
 _KEY_END = re.compile(r"@\d+@\d+@-?[0-9a-f]+@\w+(?:@\d+)?(?P<tags>@[^@%]*%.*)?\Z")
-# A padded key ending in a tag this close to the 150 bytes may have been cut at a
-# space inside that tag's value, which still ends like a key.
-_TAG_CUT_MARGIN = 16
 
 
 def maybe_cut(key_field: bytes) -> bool:
     """Whether a request's 150-byte key field may hold a key LMCache's client cut short
     (see module doc). Only a key that is not ASCII can be. With no space padding left it
     may be; with padding it still may, if the cut fell on a space (which LMCache keys
-    hold only in the model name or a tag's value): it must then end as LMCache's keys
-    do, and not in a tag close to the limit."""
+    hold only in the model name or a tag): it must then end as LMCache's keys do, and
+    hold no tag (a cut at a space inside a tag still ends like a key, however short
+    what is left; non-ASCII keys with tags are never cached). Left: a tag whose name is
+    digits, a space and more, cut at that space, reads as a layer id."""
     if key_field.isascii():
         return False
     if key_field[-1:] != b" ":
@@ -102,7 +106,7 @@ def maybe_cut(key_field: bytes) -> bool:
     end = _KEY_END.search(text)
     if end is None:
         return True  # a cut in the model name leaves no dtype field
-    return end["tags"] is not None and len(content) > lm.KEY_BYTES - _TAG_CUT_MARGIN
+    return end["tags"] is not None
 
 
 class LmListener:
@@ -169,6 +173,12 @@ class LmListener:
         except asyncio.CancelledError:
             # stop(): end normally, since Python 3.11's stream callback calls
             # task.exception() on this task and logs a cancelled one as an error.
+            writer.transport.abort()
+        except Exception:
+            # Anything else (memory running out mid-read): this connection can no longer
+            # be kept in step, so it ends; the others and the server go on.
+            self.stats.lm_closed.inc()
+            log.exception("lm:// connection closed on an internal error")
             writer.transport.abort()
         finally:
             self.connections -= 1
@@ -280,7 +290,7 @@ class LmListener:
             return
         try:
             payload = await self._read_payload(reader, req.length)
-        except MemoryError:
+        except _Dropped:
             # The server is short of memory, not the client wrong: drop this value
             # and stay in step (the rest of it is read and dropped).
             self.stats.errors[ErrorCode.INTERNAL].inc()
@@ -299,32 +309,34 @@ class LmListener:
             return
         self.stats.bytes_in.inc(entry.nbytes)
 
-    async def _read_payload(self, reader: asyncio.StreamReader, n: int) -> bytearray:
+    async def _read_payload(self, reader: asyncio.StreamReader, n: int) -> bytearray | mmap.mmap:
         """An n-byte payload, read into its own buffer as it arrives: readexactly would
         hold it twice at the end (the stream's buffer and its copy), 2x a value's memory
-        for each PUT in flight. The buffer grows with what arrives (large ones by
-        mremap, no copy): sized at the header, it was zero-filled (committed) at once,
-        on the event loop, so headers alone announcing large PUTs committed memory and
-        stalled every client; a mapping per value instead ran out of the process's
-        mappings (65530) at 1 MiB values."""
-        payload = bytearray()
+        for each PUT in flight. A large buffer is a private anonymous mapping of exactly
+        n bytes, whose pages cost memory only as bytes arrive: a bytearray is zero-filled
+        (committed) when sized, on the event loop (headers alone announcing large PUTs
+        committed memory and stalled every client), and grown instead keeps ~12% slack
+        for the value's life. Private, not shared: shared anonymous mappings never
+        merge, and a process has only 65530. _Dropped (the rest read and dropped) when
+        memory runs out."""
+        try:
+            if n < _READ_CHUNK:
+                payload: bytearray | mmap.mmap = bytearray(n)
+            else:
+                payload = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except (MemoryError, OSError):
+            await self._skip(reader, n)
+            raise _Dropped from None
+        view = memoryview(payload)
         got = 0
         async with asyncio.timeout(self.config.request_timeout_s):
             while got < n:
                 chunk = await reader.read(min(n - got, _READ_CHUNK))
                 if not chunk:
                     raise asyncio.IncompleteReadError(b"", n - got)
+                view[got : got + len(chunk)] = chunk
                 got += len(chunk)
-                try:
-                    payload += chunk
-                except MemoryError:
-                    del payload
-                    break
-            else:
-                return payload
-        # Out of memory: the rest is read and dropped, so the connection stays in step.
-        await self._skip(reader, n - got)
-        raise MemoryError(f"no memory for a {n}-byte value")
+        return payload
 
     async def _skip(self, reader: asyncio.StreamReader, n: int) -> None:
         """Read and drop an n-byte payload, under the same deadline as one kept."""

@@ -422,6 +422,10 @@ def test_a_file_under_a_namespace_directorys_name_refuses_puts_only(tmp_path, ti
         assert tier.up, tier.health.reason  # was down after three (FileExistsError)
     assert counted(tier, "remote_puts_total", "error") == 0
     assert counted(tier, "remote_puts_total", "too_large") == 4
+    for i in range(4):  # and gets there are misses (were NotADirectoryError failures)
+        assert tier.get(key(i), pool) is None
+        assert tier.up, tier.health.reason
+    assert counted(tier, "remote_gets_total", "error") == 0
 
 
 def test_a_fifo_under_a_chunk_name_holds_no_io_thread(tmp_path, tiers, pool) -> None:

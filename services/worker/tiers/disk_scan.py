@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -96,13 +97,15 @@ def list_dir(path: str, own_run_id: str | None = None, *, private: bool = False)
 
 
 def _make_private(path: str) -> None:
-    """chmod 0600 the file at path, never through a link put there since its stat; a
-    file not ours to change is left as it is."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    """chmod 0600 the regular file at path, never through a link put there since its
+    stat (an O_PATH descriptor opens no content, whatever the mode: 0o244 too; fchmod
+    refuses such a descriptor, its /proc/self/fd name does not). A file not ours to
+    change is left as it is."""
     with contextlib.suppress(OSError):
-        fd = os.open(path, flags)
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            os.fchmod(fd, 0o600)
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                os.chmod(f"/proc/self/fd/{fd}", 0o600)
         finally:
             os.close(fd)
 

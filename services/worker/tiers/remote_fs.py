@@ -206,8 +206,8 @@ class FsConnector:
             # Non-blocking: a FIFO under a chunk's name would hold a pool thread in
             # open() forever (four such gets wedged the tier down for good).
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None
+        except (FileNotFoundError, NotADirectoryError):
+            return None  # NotADirectory: a file where the namespace's directory goes
         try:
             regular = stat.S_ISREG(os.fstat(fd).st_mode)
         except BaseException:
@@ -233,7 +233,9 @@ class FsConnector:
         for p in paths:
             # A directory under a chunk's name is not ours to remove, nor a reason to
             # leave the rest of the batch.
-            with contextlib.suppress(FileNotFoundError, IsADirectoryError, PermissionError):
+            with contextlib.suppress(
+                FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError
+            ):
                 os.unlink(p)
                 n += 1
         return n

@@ -49,7 +49,13 @@ _GLOB = re.compile(r"([*?\[\]\\])")
 # How a pooled connection the server closed while it sat idle (Redis's `timeout`, a
 # proxy's idle limit) shows at its next command: a ConnectionError, or under uvloop,
 # whose transport is gone after a reset, a RuntimeError.
-_CLOSED_BY_SERVER = ("closed by server", "reset by peer", "broken pipe", "handler is closed")
+_CLOSED_BY_SERVER = (
+    "closed by server",
+    "reset by peer",
+    "broken pipe",
+    "handler is closed",
+    "connection lost",  # a connection put back after an error reply, closed meanwhile
+)
 # Values up to this size are sent again at once when cut off (never over a server's
 # limits); larger ones only once a ping shows the server up (_set_large).
 _RESEND_MAX = 1 << 20

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import aiohttp
 import msgspec
 import pytest
+from aiohttp import web
 from structlog.testing import capture_logs
 
 from kvmesh.common.config import config_from_dict
@@ -212,3 +213,43 @@ async def test_tenant_requests_skip_the_lookup_and_leave_its_warning_state() -> 
                 assert failed.value.reason == ("lookup_timeout" if len(body) == 1 else "tenant")
     warnings = [e for e in logs if e["log_level"] == "warning"]
     assert len(warnings) == 1 and warnings[0]["reason"] == "lookup_timeout"
+
+
+async def test_a_tokenize_refused_for_the_request_is_not_a_backend_failure() -> None:
+    """/tokenize answering 4xx (an unknown model, a bad message) is the request's own
+    fault: counted apart (tokenize_refused) and not a once-per-reason warning, so
+    alternating bad and good requests do not log one warning each."""
+
+    async def tokenize(request: web.Request) -> web.Response:
+        body = await request.json()
+        if body.get("model") != "good":
+            return web.json_response({"error": "no such model"}, status=404)
+        return web.json_response({"tokens": list(range(600)), "count": 600})
+
+    app = web.Application()
+    app.router.add_post("/tokenize", tokenize)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]  # the lookup-server: nothing listens, lookups time out
+    cfg = config_from_dict(
+        {"bridge": {"lookup_url": f"tcp://127.0.0.1:{dead}", "lookup_timeout_s": 0.05}}
+    ).bridge
+    backend = Backend("decoder", f"http://127.0.0.1:{port}", ["tcp://x:1"], instance_id="d0")
+    try:
+        async with aiohttp.ClientSession() as session, PrefixLookup(cfg, session) as lookup:
+            with capture_logs() as logs:
+                for model in ("bad", "good") * 3:
+                    body = {"model": model, "prompt": "some text to tokenize"}
+                    with pytest.raises(LookupFailed) as failed:
+                        await lookup.hits("completions", body, backend, {})
+                    expected = "tokenize_refused" if model == "bad" else "lookup_timeout"
+                    assert failed.value.reason == expected
+    finally:
+        await runner.cleanup()
+    warnings = [e for e in logs if e["log_level"] == "warning"]
+    assert [w["reason"] for w in warnings] == ["lookup_timeout"]

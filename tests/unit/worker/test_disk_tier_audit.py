@@ -245,8 +245,8 @@ def test_chunk_files_are_readable_by_the_engines_user_only(tmp_path: Path, pool)
 def test_chunk_files_written_before_are_made_private_at_the_reindex(tmp_path: Path, pool) -> None:
     """Files of an older kvmesh (0644) are closed when the tier starts on them."""
     filled_dir(tmp_path, pool, 2)
-    for name in chunk_files(tmp_path):
-        os.chmod(tmp_path / name, 0o644)
+    for name, mode in zip(sorted(chunk_files(tmp_path)), (0o644, 0o244), strict=True):
+        os.chmod(tmp_path / name, mode)  # 0o244: not even readable by its owner
     tier = DiskTier(tmp_path, 64 * MiB, io_threads=2)
     try:
         assert tier.wait_indexed(10)
