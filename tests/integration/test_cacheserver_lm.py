@@ -5,17 +5,14 @@ go on)."""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import struct
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from kvtest.lm_conn import LmConnection
-from kvtest.remote import REPO, CacheServerProcess, lmcache_python
+from kvtest.remote import CacheServerProcess, run_lmcache_client
 
 from kvmesh.common.protocol import lmcache_lm as lm
 
@@ -130,20 +127,7 @@ def test_bad_input_closes_only_that_connection(server, bad: str) -> None:
 
 def test_lmcache_client_stores_and_reads_back(server) -> None:
     """LMCache's StorageManager with remote_url=lm://..., in LMCache's own venv."""
-    python = lmcache_python()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
-    env.update(PYTHONHASHSEED="0", LMCACHE_LOG_LEVEL="WARNING", PYTHONPATH="")
-    done = subprocess.run(
-        [python, str(REPO / "tests" / "kvtest" / "lmcache_client.py"), str(server.lm_port), "6"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-        cwd=Path(__file__).parent,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    result = json.loads(lines[-1])
+    result = run_lmcache_client(server.lm_port, "6", log_level="WARNING")
     assert result["contains"] == [True] * 6
     assert result["absent_contains"] is False
     assert result["equal"] == [True] * 6

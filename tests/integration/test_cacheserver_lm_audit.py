@@ -6,17 +6,15 @@ details of the protocol facts hold; and small GETs do not stall."""
 
 from __future__ import annotations
 
-import json
 import os
 import struct
-import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 from kvtest.lm_conn import LmConnection
-from kvtest.remote import REPO, CacheServerProcess, lmcache_python
+from kvtest.remote import CacheServerProcess, run_lmcache_client
 
 from kvmesh.common.protocol import lmcache_lm as lm
 
@@ -92,22 +90,6 @@ def _metric(srv: CacheServerProcess, line_start: str) -> float:
     raise AssertionError(f"no metric {line_start}")
 
 
-def _run_lmcache(port: int, *args: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
-    env.update(PYTHONHASHSEED="0", LMCACHE_LOG_LEVEL="ERROR", PYTHONPATH="")
-    done = subprocess.run(
-        [lmcache_python(), str(REPO / "tests" / "kvtest" / "lmcache_client.py"), str(port), *args],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-        cwd=Path(__file__).parent,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    return json.loads(lines[-1])
-
-
 # -- a PUT over max_value_size ----------------------------------------------------------
 
 
@@ -160,7 +142,7 @@ def test_oversized_put_that_never_arrives_is_closed_by_deadline(server) -> None:
 def test_lmcache_client_survives_a_chunk_over_max_value_size(server) -> None:
     """LMCache's own client puts a 512 KiB chunk (over 256 KiB) and then ordinary ones on
     the same connection: the big one is a miss, the rest are stored and read back."""
-    result = _run_lmcache(server.lm_port, "4", "1", "--big-first", "--wait", "5")
+    result = run_lmcache_client(server.lm_port, "4", "1", "--big-first", "--wait", "5")
     assert result["contains"] == [True] * 4, result
     assert result["equal"] == [True] * 4, result
     assert result["big_contains"] is False
@@ -263,7 +245,7 @@ def test_lmcache_client_with_a_long_non_ascii_model_never_gets_another_chunk(
     """LMCache's own client, a model name whose keys LMCache cuts to part of the model
     name: every chunk must be a miss, never another chunk's KV. Cut on a space, the key
     looks padded: only its missing fields give it away."""
-    result = _run_lmcache(server.lm_port, "4", "2", "--model", model, "--wait", "1")
+    result = run_lmcache_client(server.lm_port, "4", "2", "--model", model, "--wait", "1")
     assert result["key_bytes"] > lm.KEY_BYTES
     assert result["found"] == [False] * 4, result
     assert result["contains"] == [False] * 4, result

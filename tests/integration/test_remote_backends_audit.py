@@ -221,6 +221,15 @@ def test_connections_redis_closed_while_idle_cost_no_miss(redis, tiers, pool, ho
         obj.ref_down()
 
 
+def put_big(tier: RemoteTier, big_pool: HostMemoryPool, k: ChunkKey, fill: int) -> None:
+    """Store one 2 MiB chunk and wait for the put to end (written or refused)."""
+    obj = big_pool.allocate(BIG, torch.float16, MemoryFormat.KV_2LTD)
+    obj.raw.fill_(fill)
+    tier.submit_put(k, obj)
+    obj.ref_down()
+    assert tier.flush(5)
+
+
 def test_a_value_over_redis_bulk_limit_is_refused_not_a_down_store(redis, tiers) -> None:
     cli(redis.port, "config", "set", "proto-max-bulk-len", "1mb")
     big_pool = HostMemoryPool(32 << 20, 4 << 20, pin_memory=False)
@@ -228,11 +237,7 @@ def test_a_value_over_redis_bulk_limit_is_refused_not_a_down_store(redis, tiers)
         tier = tiers(redis.url)
         assert tier.wait_ready(5)
         for i in range(5):  # 2 MiB chunks: Redis would answer a protocol error
-            obj = big_pool.allocate(BIG, torch.float16, MemoryFormat.KV_2LTD)
-            obj.raw.fill_(i)
-            tier.submit_put(key(100 + i), obj)
-            obj.ref_down()
-            assert tier.flush(5)
+            put_big(tier, big_pool, key(100 + i), i)
             assert tier.up, tier.health.reason  # was down after three, up, down...
         assert counted(tier, "remote_puts_total", "too_large") == 5
         assert counted(tier, "remote_puts_total", "error") == 0
@@ -266,11 +271,7 @@ def test_a_limit_redis_does_not_tell_is_learned_not_a_down_store(redis, tiers, l
             cli(redis.port, "info", "stats").split("total_connections_received:")[1].split()[0]
         )
         for i in range(4):
-            obj = big_pool.allocate(BIG, torch.float16, MemoryFormat.KV_2LTD)
-            obj.raw.fill_(i)
-            tier.submit_put(key(200 + i), obj)
-            obj.ref_down()
-            assert tier.flush(5)
+            put_big(tier, big_pool, key(200 + i), i)
             assert tier.up, tier.health.reason
         assert counted(tier, "remote_puts_total", "too_large") == 4
         assert counted(tier, "remote_puts_total", "error") == 0
@@ -298,11 +299,7 @@ def test_a_large_put_on_a_connection_closed_while_idle_is_stored(redis, tiers) -
         tier = tiers(redis.url, health_interval_s=30.0)
         assert tier.wait_ready(5)
         for i in range(4):
-            obj = big_pool.allocate(BIG, torch.float16, MemoryFormat.KV_2LTD)
-            obj.raw.fill_(i)
-            tier.submit_put(key(300 + i), obj)
-            obj.ref_down()
-            assert tier.flush(5)
+            put_big(tier, big_pool, key(300 + i), i)
             time.sleep(2.5 if i < 2 else 0)  # Redis closes the idle connections
         assert counted(tier, "remote_puts_total", "written") == 4
         assert counted(tier, "remote_puts_total", "too_large") == 0

@@ -145,6 +145,24 @@ def lmcache_python() -> str:
     return path
 
 
+def run_lmcache_client(port: int, *args: str, log_level: str = "ERROR") -> dict:
+    """tests/kvtest/lmcache_client.py (LMCache's own lm:// client) against port, in the
+    LMCache venv; its JSON result."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+    env.update(PYTHONHASHSEED="0", LMCACHE_LOG_LEVEL=log_level, PYTHONPATH="")
+    done = subprocess.run(
+        [lmcache_python(), str(REPO / "tests" / "kvtest" / "lmcache_client.py"), str(port), *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        cwd=REPO / "tests",
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    return json.loads(lines[-1])
+
+
 def read_json_lines(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
