@@ -20,8 +20,8 @@ the engine restarts. So what its client can send is served on the same connectio
   boundary, where two keys could become one and serve each other's values). A key that
   fills all 150 bytes and is not ASCII (the only kind that can have been cut: an ASCII
   key fills them only at exactly 150 characters), or one that is not ASCII and does not
-  end as LMCache's keys do (a cut that fell on a space looks padded), is never stored
-  or found: its PUT is dropped, its GET and EXIST answer 400.
+  end as LMCache's keys do or carries tags (a cut that fell on a space looks padded),
+  is never stored or found: its PUT is dropped, its GET and EXIST answer 400.
 
 Bad input: a header that cannot be valid (negative length, a key that is empty or not
 UTF-8 otherwise), an unknown command, a header or payload that stops arriving within
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import mmap
 import re
 import socket
@@ -64,6 +65,8 @@ _SUCCESS = lm.SUCCESS.pack()
 _CUT_STAND_IN = b"cut".ljust(lm.KEY_BYTES, b" ")
 # Payloads are read this much at a time (the stream's buffer stays small).
 _READ_CHUNK = 1 << 20
+# Payloads from this size on go to a mapping of their own (_read_payload).
+_MAP_FROM = 32 << 20
 # Idle 60 s, then 6 probes 10 s apart (Linux names; left out where the system lacks them).
 KEEPALIVE = [
     (getattr(socket, name), value)
@@ -312,31 +315,40 @@ class LmListener:
     async def _read_payload(self, reader: asyncio.StreamReader, n: int) -> bytearray | mmap.mmap:
         """An n-byte payload, read into its own buffer as it arrives: readexactly would
         hold it twice at the end (the stream's buffer and its copy), 2x a value's memory
-        for each PUT in flight. A large buffer is a private anonymous mapping of exactly
-        n bytes, whose pages cost memory only as bytes arrive: a bytearray is zero-filled
-        (committed) when sized, on the event loop (headers alone announcing large PUTs
-        committed memory and stalled every client), and grown instead keeps ~12% slack
-        for the value's life. Private, not shared: shared anonymous mappings never
-        merge, and a process has only 65530. _Dropped (the rest read and dropped) when
+        for each PUT in flight. The buffer commits memory only as bytes arrive: a
+        bytearray sized at the header is zero-filled at once, on the event loop, so
+        headers alone announcing large PUTs committed memory and stalled every client.
+        Below _MAP_FROM it is a bytearray grown as bytes arrive (from the heap; it may
+        keep ~12% slack); from there an exact private anonymous mapping, few enough
+        that the process's 65530 mappings are never near (a mapping per value of any
+        size ran them out at 1 MiB values). _Dropped (the rest read and dropped) when
         memory runs out."""
+        got = 0
         try:
-            if n < _READ_CHUNK:
-                payload: bytearray | mmap.mmap = bytearray(n)
+            if n < _MAP_FROM:
+                payload: bytearray | mmap.mmap | None = bytearray()
             else:
                 payload = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        except (MemoryError, OSError):
-            await self._skip(reader, n)
-            raise _Dropped from None
-        view = memoryview(payload)
-        got = 0
-        async with asyncio.timeout(self.config.request_timeout_s):
-            while got < n:
-                chunk = await reader.read(min(n - got, _READ_CHUNK))
-                if not chunk:
-                    raise asyncio.IncompleteReadError(b"", n - got)
-                view[got : got + len(chunk)] = chunk
-                got += len(chunk)
-        return payload
+            async with asyncio.timeout(self.config.request_timeout_s):
+                while got < n:
+                    chunk = await reader.read(min(n - got, _READ_CHUNK))
+                    if not chunk:
+                        raise asyncio.IncompleteReadError(b"", n - got)
+                    if isinstance(payload, mmap.mmap):
+                        payload[got : got + len(chunk)] = chunk
+                    else:
+                        payload += chunk
+                    got += len(chunk)
+        except MemoryError:
+            pass  # below: the rest is read and dropped, so the connection stays in step
+        except OSError as exc:
+            if exc.errno != errno.ENOMEM:
+                raise
+        else:
+            return payload
+        payload = None  # the part read goes before the rest is drained
+        await self._skip(reader, n - got)
+        raise _Dropped
 
     async def _skip(self, reader: asyncio.StreamReader, n: int) -> None:
         """Read and drop an n-byte payload, under the same deadline as one kept."""
