@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -110,23 +111,25 @@ def ipc_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     yield path
 
 
-def _engine(name: str, salt: str = "") -> KVEngine:
+@contextlib.contextmanager
+def _engine(name: str, salt: str = "") -> Iterator[KVEngine]:
     cfg = msgspec.structs.replace(
         engine_config("zmq"), p2p=P2PConfig(enabled=False), tenant_salt=salt
     )
-    return KVEngine(name, 0, cfg, kv_cache(None))
+    eng = KVEngine(name, 0, cfg, kv_cache(None))
+    try:
+        yield eng
+    finally:
+        eng.close()
 
 
 def test_default_ipc_dir_open_to_others_is_made_private(ipc_dir: Path) -> None:
     ipc_dir.mkdir()
     ipc_dir.chmod(0o777)
-    eng = _engine("ipc-open")
-    try:
+    with _engine("ipc-open") as eng:
         server = attach_lookup_server(eng)
         assert server.endpoint.startswith(f"ipc://{ipc_dir}/")
         assert stat.S_IMODE(ipc_dir.stat().st_mode) == 0o700
-    finally:
-        eng.close()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make another user's directory")
@@ -134,13 +137,10 @@ def test_default_ipc_dir_of_another_user_is_refused(ipc_dir: Path) -> None:
     ipc_dir.mkdir()
     ipc_dir.chmod(0o777)
     os.chown(ipc_dir, 65534, 65534)  # nobody's, as if nobody had created it first
-    eng = _engine("ipc-theirs")
-    try:
+    with _engine("ipc-theirs") as eng:
         with pytest.raises(LookupServerError, match="not a directory owned by this user"):
             attach_lookup_server(eng)
         assert list(ipc_dir.iterdir()) == []  # no socket was bound there
-    finally:
-        eng.close()
 
 
 def test_an_ipc_dir_the_operator_named_is_left_as_it_is(
@@ -152,24 +152,18 @@ def test_an_ipc_dir_the_operator_named_is_left_as_it_is(
     shared.mkdir()
     shared.chmod(0o1777)
     monkeypatch.setenv("KVMESH_IPC_DIR", str(shared))
-    eng = _engine("ipc-env")
-    try:
+    with _engine("ipc-env") as eng:
         server = attach_lookup_server(eng)
         assert server.endpoint.startswith(f"ipc://{shared}/")
         assert stat.S_IMODE(shared.stat().st_mode) == 0o1777
-    finally:
-        eng.close()
 
 
 def test_a_subdirectory_of_the_default_dir_is_checked_too(ipc_dir: Path) -> None:
     ipc_dir.mkdir()
     ipc_dir.chmod(0o777)
-    eng = _engine("ipc-sub")
-    try:
+    with _engine("ipc-sub") as eng:
         attach_lookup_server(eng, f"ipc://{ipc_dir}/sub/lk.sock")
         assert stat.S_IMODE(ipc_dir.stat().st_mode) == 0o700
-    finally:
-        eng.close()
 
 
 def test_explicit_ipc_endpoint_is_left_as_configured(tmp_path: Path, ipc_dir: Path) -> None:
@@ -177,13 +171,10 @@ def test_explicit_ipc_endpoint_is_left_as_configured(tmp_path: Path, ipc_dir: Pa
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o755)
-    eng = _engine("ipc-explicit")
-    try:
+    with _engine("ipc-explicit") as eng:
         server = attach_lookup_server(eng, f"ipc://{shared}/lk.sock")
         assert server.endpoint == f"ipc://{shared}/lk.sock"
         assert stat.S_IMODE(shared.stat().st_mode) == 0o755
-    finally:
-        eng.close()
 
 
 def test_an_engine_salt_with_a_nul_is_refused() -> None:
@@ -191,17 +182,10 @@ def test_an_engine_salt_with_a_nul_is_refused() -> None:
     such an engine salt (YAML "a\\0b" loads as it is) must not start, or its chunks
     in every tier would be another deployment's tenant "b"'s."""
     prompt = torch.arange(64)
-    salted = _engine("salt-a", salt="a")
-    try:
+    with _engine("salt-a", salt="a") as salted:
         theirs = [k for _, _, k in salted.chunks(prompt, tenant="b")]
         try:
-            nul = _engine("salt-nul", salt="a\x00b")
+            with _engine("salt-nul", salt="a\x00b") as nul:
+                assert [k for _, _, k in nul.chunks(prompt)] != theirs
         except ValueError as exc:
             assert "tenant_salt" in str(exc)
-            return
-        try:
-            assert [k for _, _, k in nul.chunks(prompt)] != theirs
-        finally:
-            nul.close()
-    finally:
-        salted.close()
