@@ -74,7 +74,8 @@ class RedisConnector:
         self.prefix = key_prefix
         self.timeout_s = timeout_s
         self.client: Any = None
-        # The server's `proto-max-bulk-len`, asked once per connection at the first ping.
+        # The largest value the server takes (_max_value at the first ping after each
+        # connect; lowered by a value it cut off twice, _learned_limit).
         self.max_value: int | None = None
         # Pooled connections found closed by the server (read by the tier: see _once_more).
         self.disconnects = 0
