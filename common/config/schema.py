@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from kvmesh.common.config.sizes import ByteSize, format_size
+from kvmesh.common.redact import redact_url
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 # 0 is how a port field says "off" (metrics) or "let the OS pick" (tests).
@@ -183,15 +184,16 @@ class RemoteConfig(_Section):
             raise RuleError(
                 "url",
                 f"must be a URL with a scheme of {', '.join(REMOTE_SCHEMES)} while remote is "
-                f"enabled (got {self.url!r})",
+                f"enabled (got {redact_url(self.url)!r})",
                 related=("enabled",),
             )
         if scheme.lower() == "fs" and not rest.startswith("/"):
             raise RuleError(
-                "url", f"fs:// needs an absolute path, as fs:///data/kv (got {self.url!r})"
+                "url",
+                f"fs:// needs an absolute path, as fs:///data/kv (got {redact_url(self.url)!r})",
             )
         if scheme.lower() != "fs" and not rest.split("/", 1)[0]:
-            raise RuleError("url", f"{scheme}:// needs host:port (got {self.url!r})")
+            raise RuleError("url", f"{scheme}:// needs host:port (got {redact_url(self.url)!r})")
 
 
 class EngineControllerConfig(_Section):

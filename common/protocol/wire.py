@@ -171,6 +171,14 @@ class Codec(Generic[Req, Rep, Err]):
         self._speaker = speaker
         self._check = check
 
+    def code_name(self, code: int) -> str:
+        """An error code as a metric label: its name, lower case (its number for one
+        this side does not know: a label, never an exception in a serve loop)."""
+        try:
+            return self.codes(code).name.lower()
+        except ValueError:
+            return str(code)
+
     def error_reply(self, rid: int, code: IntEnum, message: str) -> Err:
         return self._error(rid, int(code), message[:MAX_ERROR_CHARS], code in self._retryable)
 

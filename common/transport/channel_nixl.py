@@ -159,7 +159,9 @@ class NixlChannel:
             async with asyncio.timeout(timeout_s):
                 name = await asyncio.shield(hello)
         except TimeoutError:  # a Hello begun with a longer deadline than ours
-            raise PeerError(f"{endpoint} did not answer Hello within {timeout_s:.3f}s") from None
+            raise PeerError(
+                f"{endpoint} did not answer Hello within {timeout_s:.3f}s", conn=conn
+            ) from None
         unnamed_ok = want == "" and (not name or known is None or name == known)
         if want is not None and name != want and not unnamed_ok:
             raise AgentChanged(f"{endpoint} is served by agent {name!r} now, not {want!r}")

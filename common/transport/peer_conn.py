@@ -72,6 +72,9 @@ class PeerConnection:
         # What Hello told us (filled by the channel that asked).
         self.hello: proto.HelloReply | None = None
         self.last_used = time.monotonic()
+        # When a reply last came (monotonic; 0: never): a request that failed while
+        # others were answered met a slow peer, not a dead one.
+        self.last_reply = 0.0
 
     def idle_since(self, before: float) -> bool:
         """Unused since `before` (monotonic), with no request waiting on a reply."""
@@ -140,6 +143,7 @@ class PeerConnection:
                 except proto.MalformedMessage as exc:
                     self._break(PeerError(f"bad reply from {self.endpoint}: {exc}", conn=self))
                     return
+                self.last_reply = time.monotonic()
                 fut = self._pending.get(reply.rid)
                 if fut is not None and not fut.done():
                     fut.set_result((reply, list(frames[1:])))
@@ -181,9 +185,14 @@ class PeerConnections:
         self.on_idle = on_idle
         self._ctx: zmq.asyncio.Context | None = None
         self._conns: dict[str, PeerConnection] = {}
+        # Endpoints whose connection a failure dropped, and when: not asked for again
+        # (a peer gone for good), they are forgotten as idle ones are, or what the
+        # owner holds for them (a loaded NIXL agent) would stay for the process's life.
+        self._dropped: dict[str, float] = {}
         self._next_sweep = time.monotonic() + idle_s / 4
 
     def get(self, endpoint: str) -> PeerConnection:
+        self._dropped.pop(endpoint, None)  # asked for again: not gone (before the sweep)
         now = time.monotonic()
         if now >= self._next_sweep:
             self._next_sweep = now + self.idle_s / 4
@@ -203,7 +212,11 @@ class PeerConnections:
         idle = [ep for ep, c in self._conns.items() if ep != keep and c.idle_since(before)]
         for endpoint in idle:
             self._conns.pop(endpoint).close()
-            if self.on_idle is not None:
+        gone = [ep for ep, t in self._dropped.items() if t < before]
+        for endpoint in gone:
+            del self._dropped[endpoint]
+        if self.on_idle is not None:
+            for endpoint in idle + gone:
                 self.on_idle(endpoint)
 
     def drop(self, endpoint: str, failed: PeerConnection | None = None) -> bool:
@@ -216,12 +229,14 @@ class PeerConnections:
         if conn is not None:
             del self._conns[endpoint]
             conn.close()
+            self._dropped[endpoint] = time.monotonic()
         return conn is not None
 
     def close(self) -> None:
         for conn in self._conns.values():
             conn.close()
         self._conns.clear()
+        self._dropped.clear()
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None

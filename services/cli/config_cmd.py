@@ -10,6 +10,7 @@ import click
 import yaml
 
 from kvmesh.common.config import ConfigError, config_to_dict, load_config
+from kvmesh.common.redact import redact_values
 
 # Exit status for an invalid config; click uses the same for usage errors, and both
 # mean "fix what you passed in", unlike 1 for a failure at runtime.
@@ -35,7 +36,8 @@ def check(file: str, as_json: bool, use_env: bool) -> None:
     """Validate FILE and print the effective configuration.
 
     The output is every key with the value a service would use: defaults, then FILE,
-    then KVMESH_* variables (unless --no-env). An invalid config prints
+    then KVMESH_* variables (unless --no-env); a password in a URL is shown as ***.
+    An invalid config prints
     `error: <key>: <problem> (from <source>)` on stderr and exits 2.
     """
     try:
@@ -44,7 +46,9 @@ def check(file: str, as_json: bool, use_env: bool) -> None:
         for line in str(exc).splitlines():
             click.echo(f"error: {line}", err=True)
         sys.exit(EXIT_INVALID)
-    values = config_to_dict(cfg)
+    # A password in a URL (engine.remote.url: redis://user:password@...) is shown as
+    # ***: this output goes to terminals and CI logs.
+    values = redact_values(config_to_dict(cfg))
     if as_json:
         click.echo(json.dumps(values, indent=2))
     else:

@@ -21,7 +21,9 @@ from kvmesh.common.config import ConfigError, load_config
 
 
 @click.command()
-@click.option("--tokens", default=3000, show_default=True, help="Prompt length.")
+@click.option(
+    "--tokens", type=click.IntRange(min=1), default=3000, show_default=True, help="Prompt length."
+)
 @click.option(
     "--model",
     "model_kind",
@@ -46,7 +48,13 @@ from kvmesh.common.config import ConfigError, load_config
 )
 @click.option("-v", "--verbose", is_flag=True, help="Print vLLM's log instead of a progress line.")
 @click.option("--engine-only", is_flag=True, help="Engine round trip without vLLM.")
-@click.option("--layers", default=8, show_default=True, help="--engine-only: layers.")
+@click.option(
+    "--layers",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="--engine-only: layers.",
+)
 @click.option("--seed", default=0, show_default=True, help="Prompt seed.")
 def demo(
     tokens: int,
@@ -60,7 +68,15 @@ def demo(
 ) -> None:
     """Serve a long prompt twice in vLLM through kvmesh; print cold and warm TTFT."""
     if engine_only:
+        from kvmesh.common.config import EngineConfig
         from kvmesh.services.cli.demo_engine import engine_round_trip
+
+        # Only full chunks are stored: a shorter prompt has nothing to store or load.
+        chunk = EngineConfig().chunk_size
+        if tokens < chunk:
+            raise click.BadParameter(
+                f"at least {chunk} (one chunk) with --engine-only", param_hint="--tokens"
+            )
 
         engine_round_trip(tokens, layers, seed)
         return

@@ -40,6 +40,7 @@ import click
 import psutil
 
 from kvmesh.common.config import ConfigError, KvmeshConfig, load_config
+from kvmesh.common.redact import redact_text, redact_url
 from kvmesh.common.transport.curve import CurveKeys
 from kvmesh.services.cli import status_cmd
 from kvmesh.services.cli.doctor_host import (
@@ -134,44 +135,41 @@ async def _answers(service: str, host: str, port: int, timeout_s: float, curve: 
 
 
 async def check_ports(cfg: KvmeshConfig, timeout_s: float, curve: CurveKeys | None) -> list[Check]:
-    out = []
-    for label, service, host, port in _ports(cfg):
-        err = await asyncio.to_thread(_bind_error, host, port)
-        where = f"{label} {host}:{port}"
-        if err == 0:
-            out.append(Check("port", "ok", f"{where} is free"))
-        elif err == errno.EADDRNOTAVAIL:
-            out.append(
-                Check(
-                    "port",
-                    "warn",
-                    f"{where}: {host} is not an address of this host "
-                    "(fine if the service runs elsewhere)",
-                )
-            )
-        elif err == errno.EACCES:
-            out.append(
-                Check(
-                    "port",
-                    "fail",
-                    f"{where}: binding is not permitted for this user; pick a port above 1023",
-                )
-            )
-        else:
-            why = await _answers(service, host, port, timeout_s, curve)
-            if not why:
-                out.append(Check("port", "ok", f"{where} is held by the running {service}"))
-            else:
-                holder = await asyncio.to_thread(_holder, port) or "another process"
-                out.append(
-                    Check(
-                        "port",
-                        "fail",
-                        f"{where} is taken by {holder}, which is not a "
-                        f"kvmesh {service} ({why}); stop it or change {label}",
-                    )
-                )
-    return out
+    # All ports at once: asked one after another, a host whose services hang (stopped,
+    # swapping) would take a deadline per port, ten of them.
+    return list(await asyncio.gather(*(_check_port(row, timeout_s, curve) for row in _ports(cfg))))
+
+
+async def _check_port(
+    row: tuple[str, str, str, int], timeout_s: float, curve: CurveKeys | None
+) -> Check:
+    label, service, host, port = row
+    err = await asyncio.to_thread(_bind_error, host, port)
+    where = f"{label} {host}:{port}"
+    if err == 0:
+        return Check("port", "ok", f"{where} is free")
+    if err == errno.EADDRNOTAVAIL:
+        return Check(
+            "port",
+            "warn",
+            f"{where}: {host} is not an address of this host (fine if the service runs elsewhere)",
+        )
+    if err == errno.EACCES:
+        return Check(
+            "port",
+            "fail",
+            f"{where}: binding is not permitted for this user; pick a port above 1023",
+        )
+    why = await _answers(service, host, port, timeout_s, curve)
+    if not why:
+        return Check("port", "ok", f"{where} is held by the running {service}")
+    holder = await asyncio.to_thread(_holder, port) or "another process"
+    return Check(
+        "port",
+        "fail",
+        f"{where} is taken by {holder}, which is not a "
+        f"kvmesh {service} ({why}); stop it or change {label}",
+    )
 
 
 # -- reachability -------------------------------------------------------------------------
@@ -283,12 +281,18 @@ async def check_reach(cfg: KvmeshConfig, timeout_s: float, curve: CurveKeys | No
     # A failure of a ZMQ target also says what its CURVE handshake did.
     got = await asyncio.gather(
         *(
-            status_cmd.timed(ask, timeout_s, endpoint=_zmq_endpoint(url), curve=curve)
+            status_cmd.timed(
+                ask, timeout_s, endpoint=_zmq_endpoint(url), curve=curve, secret_url=url
+            )
             for _, url, _, ask in targets
         )
     )
     out = []
-    for (what, url, level, _ask), r in zip(targets, got, strict=True):
+    for (what, raw_url, level, _ask), r in zip(targets, got, strict=True):
+        # A remote URL may carry a password: never into the report (a terminal, a log).
+        url = redact_url(raw_url)
+        if not r["up"]:
+            r["error"] = redact_text(r["error"], raw_url)
         if r["up"]:
             out.append(Check("reach", "ok", f"{what} {url} answers ({r['latency_ms']} ms)"))
         elif level == "fail":

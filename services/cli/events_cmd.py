@@ -31,6 +31,10 @@ from kvmesh.common.transport.kv_events_client import Delivery, KvEventsSubscribe
 from kvmesh.services.cli.admin_cmd import BAD_URL_ERRNOS, EXIT_FAILED
 from kvmesh.services.cli.serving import load_security, load_service_config
 
+# zmq takes any port number at connect() and only never connects (70000), or refuses
+# a negative one as if the host were wrong: checked here, named as the port's fault.
+_PORT = click.IntRange(0, 65535)
+
 
 def _host(controller: str | None, config_host: str) -> str:
     host = controller if controller is not None else config_host
@@ -93,10 +97,10 @@ def _print(item: Delivery | Lost, as_json: bool) -> None:
     default=None,
     help="The controller's host (default: controller.host of the config).",
 )
-@click.option("--events-port", type=int, default=None, help="Default: controller.events_port.")
+@click.option("--events-port", type=_PORT, default=None, help="Default: controller.events_port.")
 @click.option(
     "--replay-port",
-    type=int,
+    type=_PORT,
     default=None,
     help="Default: controller.events_replay_port; 0 = no replay (gaps are reported as lost).",
 )
@@ -109,7 +113,12 @@ def _print(item: Delivery | Lost, as_json: bool) -> None:
 )
 @click.option("--since", type=int, default=None, help="First replay every message after SEQ.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per message.")
-@click.option("--limit", type=int, default=0, help="Stop after this many messages (0 = never).")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Stop after this many messages (0 = never).",
+)
 @click.option(
     "--duration", type=click.FloatRange(min=0), default=0.0, help="Stop after SECONDS (0 = never)."
 )
@@ -171,9 +180,13 @@ def events(
 
 async def _follow(sub: KvEventsSubscriber, as_json: bool, limit: int, duration: float) -> None:
     printed = 0
+    connected = False
     try:
-        await sub.connect()
+        # The replay of --since is within --duration too: a controller that does not
+        # answer it would otherwise add --replay-timeout to the run.
         async with asyncio.timeout(duration if duration > 0 else None):
+            await sub.connect()
+            connected = True
             async for item in sub:
                 _print(item, as_json)
                 if isinstance(item, Delivery):
@@ -181,7 +194,11 @@ async def _follow(sub: KvEventsSubscriber, as_json: bool, limit: int, duration: 
                     if limit and printed >= limit:
                         break
     except TimeoutError:
-        pass
+        if not connected and sub.since is not None:
+            # Cut before the replay answered: what came after --since is unknown, and
+            # a script must not take silence for "nothing happened".
+            lost = Lost("replay cut by --duration", "", sub.namespaces, sub.since, 0)
+            _print(lost, as_json)
     finally:
         sys.stdout.flush()
         await sub.close()

@@ -15,6 +15,7 @@ import click
 import zmq.auth
 
 EXIT_EXISTS = 1
+EXIT_FAILED = 1
 
 
 @click.group("keys")
@@ -35,6 +36,18 @@ def generate(directory: Path, name: str, force: bool) -> None:
     if existing and not force:
         click.echo(f"error: {', '.join(existing)} exists (--force to overwrite)", err=True)
         sys.exit(EXIT_EXISTS)
+    try:
+        _write_pair(directory, name, public, secret)
+    except OSError as exc:
+        # A directory that cannot be made or written (read-only, not a directory, no
+        # permission): one line naming it, not a traceback.
+        where = exc.filename or directory
+        click.echo(f"error: {where}: {exc.strerror or exc}", err=True)
+        sys.exit(EXIT_FAILED)
+    click.echo(f"public key: {public}\nsecret key: {secret}")
+
+
+def _write_pair(directory: Path, name: str, public: Path, secret: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     # The umask makes the secret file 0600 from its creation, so it is never readable
     # by others, not even between pyzmq writing it and a chmod.
@@ -47,4 +60,3 @@ def generate(directory: Path, name: str, force: bool) -> None:
         os.umask(old)
     os.chmod(secret, 0o600)
     os.chmod(public, 0o644)
-    click.echo(f"public key: {public}\nsecret key: {secret}")

@@ -31,19 +31,38 @@ def probe(url: str, timeout_s: float) -> str | None:
     return result[0] if result else f"{url}: no complete answer in {timeout_s:g}s"
 
 
+def url_problem(url: str) -> str | None:
+    """Why url is not one probe can ask (one line), or None."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # parsed lazily: "host:abc" raises only here
+    except ValueError as exc:
+        return f"{url}: not a URL ({exc})"
+    if parts.scheme == "tcp":
+        if not parts.hostname or port is None:
+            return f"{url}: expected tcp://host:port"
+    elif parts.scheme in ("http", "https"):
+        if not parts.hostname:
+            return f"{url}: no host"
+    else:
+        return f"{url}: the scheme must be http, https or tcp"
+    return None
+
+
 def _attempt(url: str, timeout_s: float) -> str | None:
+    # Checked here too, not only by the caller: a ValueError on the attempt's thread
+    # would be a traceback and then a "no answer" after the whole timeout.
+    if (why := url_problem(url)) is not None:
+        return why
     parts = urlsplit(url)
     try:
         if parts.scheme == "tcp":
-            if not parts.hostname or parts.port is None:
-                return f"{url}: expected tcp://host:port"
-            with socket.create_connection((parts.hostname, parts.port), timeout=timeout_s):
+            address = (parts.hostname or "", parts.port or 0)  # both there: url_problem
+            with socket.create_connection(address, timeout=timeout_s):
                 return None
-        if parts.scheme in ("http", "https"):
-            with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-                resp.read(1 << 16)
-                return None
-        return f"{url}: the scheme must be http, https or tcp"
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            resp.read(1 << 16)
+            return None
     except urllib.error.HTTPError as exc:
         return f"{url}: HTTP {exc.code}"
     except (OSError, ValueError) as exc:

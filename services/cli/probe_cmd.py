@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from kvmesh.services.cli.probe import probe
+from kvmesh.services.cli.probe import probe, url_problem
 
 
 @click.command("probe")
@@ -16,6 +16,10 @@ from kvmesh.services.cli.probe import probe
 )
 def probe_cmd(url: str, timeout_s: float) -> None:
     """Exit 0 if URL answers (http(s):// with a 2xx, or tcp://host:port accepting)."""
+    # A URL that cannot be asked is the caller's mistake (exit 2), not an unhealthy
+    # service (exit 1).
+    if (bad := url_problem(url)) is not None:
+        raise click.BadParameter(bad, param_hint="URL")
     why = probe(url, timeout_s)
     if why is not None:
         click.echo(f"unhealthy: {why}", err=True)

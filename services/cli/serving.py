@@ -113,7 +113,16 @@ async def _serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(service.stop()))
     if ready_file:
-        write_ready(ready_file, {"pid": os.getpid(), **ready_info(service)})
+        try:
+            write_ready(ready_file, {"pid": os.getpid(), **ready_info(service)})
+        except OSError as exc:
+            # Whoever waits for the file would wait forever: stop, saying why (a
+            # directory that does not exist or cannot be written is the option's fault).
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(STOP_AFTER_FAILED_START_S):
+                    await service.stop()
+            click.echo(f"error: --ready-file {ready_file}: {exc.strerror or exc}", err=True)
+            sys.exit(EXIT_INVALID)
     await service.wait_closed()
 
 

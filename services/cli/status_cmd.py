@@ -16,7 +16,7 @@ Endpoints come from the config (`controller.host/port`, `lookup.*`, `cacheserver
 or `engine.remote.url` when it is a kvmesh:// one) unless given as options. A service
 that does not answer is shown as down with why; nothing waits past the deadline.
 Exit status: 0 when every service asked answered, 3 otherwise (the last refresh under
---watch, which runs until ctrl-C).
+--watch, which runs until ctrl-C), 2 for a bad option (an endpoint zmq would refuse).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import sys
 import time
 import uuid
@@ -37,7 +38,9 @@ import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.common.config import KvmeshConfig
+from kvmesh.common.config.schema import ZMQ_ENDPOINT_FORMS, is_zmq_endpoint
 from kvmesh.common.protocol import controller as proto
+from kvmesh.common.redact import redact_text
 from kvmesh.common.transport.cacheserver_client import CacheServerClient
 from kvmesh.common.transport.controller_client import ControllerConnection
 from kvmesh.common.transport.curve import CurveKeys
@@ -107,8 +110,10 @@ async def timed(
     *,
     endpoint: str = "",
     curve: CurveKeys | None = None,
+    secret_url: str = "",
 ) -> dict:
     """what()'s fields plus up/latency, or up=false and the error; never raises.
+    secret_url: a URL with credentials the error may quote (hidden in it).
 
     With the ZMQ endpoint what() talks to, a failure also says what the connection
     and the CURVE handshake did (a refused client hears nothing, only a timeout):
@@ -122,12 +127,16 @@ async def timed(
     except TimeoutError:
         error = f"no answer in {timeout_s:g}s"
     except Exception as exc:  # any failure is "down, because ..."
-        error = f"{type(exc).__name__}: {exc}"[:300]
+        # Hidden before the cut: a cut copy of a URL is no longer found to hide.
+        error = redact_text(f"{type(exc).__name__}: {exc}", secret_url)[:300]
     if endpoint:
         probe_s = min(timeout_s, HANDSHAKE_PROBE_S)
-        why = await asyncio.to_thread(handshake_problem, endpoint, curve, probe_s)
-        if why:
-            error = f"{error}: {why}"
+        # The probe only adds to the error: one it raises itself (an endpoint zmq
+        # refuses, as "tcp://bad host:1") must not turn "down" into a traceback.
+        with contextlib.suppress(Exception):
+            why = await asyncio.to_thread(handshake_problem, endpoint, curve, probe_s)
+            if why:
+                error = f"{error}: {why}"
     return {"up": False, "error": error}
 
 
@@ -209,7 +218,9 @@ async def fetch_metrics(url: str, timeout_s: float) -> dict[str, Any]:
     samples = []
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name in _WANTED:
+            # NaN (a ratio of nothing yet) and +-Inf are valid on a /metrics page but
+            # not in JSON, which --json must stay: left out, i.e. unknown.
+            if s.name in _WANTED and math.isfinite(s.value):
                 samples.append({"name": s.name, "labels": dict(s.labels), "value": s.value})
     return {"samples": samples}
 
@@ -409,6 +420,14 @@ def render(view: dict[str, Any]) -> str:
 # -- the command --------------------------------------------------------------------------
 
 
+def _zmq_url(_ctx: click.Context, _param: click.Parameter, url: str | None) -> str | None:
+    # Refused before any socket exists, as `kvmesh admin --url` does: zmq would only
+    # refuse it at connect time.
+    if url is not None and not is_zmq_endpoint(url):
+        raise click.BadParameter(f"expected {ZMQ_ENDPOINT_FORMS} (got {url!r})")
+    return url
+
+
 def _parse_metrics(values: tuple[str, ...]) -> dict[str, str]:
     out = {}
     for v in values:
@@ -427,9 +446,18 @@ def _parse_metrics(values: tuple[str, ...]) -> dict[str, str]:
     default=None,
     help="YAML config (default: $KVMESH_CONFIG): the services' endpoints and security.",
 )
-@click.option("--controller", "controller_url", default=None, help="tcp://host:port")
-@click.option("--lookup-url", default=None, help="The lookup-server, tcp://host:port.")
-@click.option("--cacheserver-url", default=None, help="The cache-server, tcp://host:port.")
+@click.option(
+    "--controller", "controller_url", default=None, callback=_zmq_url, help="tcp://host:port"
+)
+@click.option(
+    "--lookup-url", default=None, callback=_zmq_url, help="The lookup-server, tcp://host:port."
+)
+@click.option(
+    "--cacheserver-url",
+    default=None,
+    callback=_zmq_url,
+    help="The cache-server, tcp://host:port.",
+)
 @click.option(
     "--metrics",
     "metrics",

@@ -95,7 +95,7 @@ class AdminHttp:
 
     async def _route(self, method: str, path: str, body: bytes) -> tuple[int, Any]:
         srv = self.server
-        if method == "GET":
+        if method in ("GET", "HEAD"):  # aiohttp sends no body with a HEAD answer
             if path in ("/health", "/healthz"):
                 return 200, srv.health_report()
             if path == "/metrics":

@@ -245,7 +245,8 @@ class ControllerClient:
         try:
             if cmd.op == "clear":
                 count = await asyncio.to_thread(engine.clear, None, cmd.tier or None)
-                # A clear records no per-chunk events: the state after it replaces them.
+                # The state after it also repairs what the clear's events could not
+                # carry (more than the event buffer holds).
                 await self._send_full_state()
             elif cmd.op in ("pin", "unpin"):
                 act = l1.pin if cmd.op == "pin" else l1.unpin

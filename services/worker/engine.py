@@ -159,6 +159,11 @@ class KVEngine:
             l1, lower, self.loop, self.events, max_inflight_io=config.max_inflight_io
         )
         self.stats.l1_capacity.set(self.pool.capacity_bytes)
+        # Read at each scrape: L1 also changes where no store passes (loads promoted
+        # from lower tiers, evictions, PD receipts), and a gauge set only at stores
+        # read 0 while L1 held chunks reloaded from disk.
+        self.stats.l1_used.set_function(lambda: self.pool.used_bytes)
+        self.stats.l1_chunks.set_function(lambda: len(self.storage.l1))
         # Disaggregated prefill: a decoder receives through its P2P endpoint; a
         # prefiller writes through the same channel.
         self.pd_receiver = PdReceiver(self) if pd_role in ("receiver", "both") else None
@@ -513,8 +518,6 @@ class KVEngine:
 
     def _account_store(self, stored: int, t0: float) -> None:
         self.stats.tokens_stored.inc(stored)
-        self.stats.l1_used.set(self.pool.used_bytes)
-        self.stats.l1_chunks.set(len(self.storage.l1))
         self.stats.latency["store"].observe(time.perf_counter() - t0)
 
     # -- lookup -----------------------------------------------------------------------
@@ -699,7 +702,8 @@ class KVEngine:
         t0 = time.perf_counter()
         self.stats.requests["prefetch"].inc()
         keys = [key for _, _, key in chunks]
-        objs, _sources = await self.storage.aget_prefix(keys)
+        # Bounded by the pins it makes: past pin_timeout_s they would expire anyway.
+        objs, _sources = await self.storage.aget_prefix(keys, self.config.pin_timeout_s)
         pinned = []
         for key, obj in zip(keys, objs, strict=False):
             if self.storage.l1.pin(key):
@@ -754,8 +758,6 @@ class KVEngine:
             n = sum(
                 self.storage.remove(key, tier) for _, _, key in self.chunks(tokens, tenant=tenant)
             )
-        self.stats.l1_used.set(self.pool.used_bytes)
-        self.stats.l1_chunks.set(len(self.storage.l1))
         return n
 
     def freeze(self, frozen: bool = True) -> None:

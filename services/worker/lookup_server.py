@@ -218,7 +218,7 @@ class LookupServer:
                 # very loop (the engine's) and would otherwise be skipped or deadlock.
                 reply = await loop.run_in_executor(pool, self.handle, [f.bytes for f in frames[1:]])
             if isinstance(reply, proto.ErrorReply):
-                self._errors.labels(code=str(reply.code)).inc()
+                self._errors.labels(code=proto.codec.code_name(reply.code)).inc()
             try:
                 await sock.send_multipart([frames[0].bytes, proto.encode(reply)])
             except zmq.ZMQError as exc:  # the client went away meanwhile

@@ -159,7 +159,7 @@ class P2PServer:
             else:
                 reply, objs = await self.handle([f.buffer for f in frames[1:]])
             if isinstance(reply, proto.ErrorReply):
-                self._errors.labels(code=str(reply.code)).inc()
+                self._errors.labels(code=proto.codec.code_name(reply.code)).inc()
             await self._send(sock, frames[0].bytes, reply, objs)
 
     async def _send(

@@ -441,9 +441,6 @@ class PdReceiver:
             loop.loop.call_soon_threadsafe(self.drop, lookup_id)
 
     def _gauges(self) -> None:
-        stats = self.engine.stats
-        stats.l1_used.set(self.engine.pool.used_bytes)
-        stats.l1_chunks.set(len(self.engine.storage.l1))
         self._inflight.set(len(self._inbound))
         self._inflight_pages.set(self._pages)
         self._holding.set(len(self._held))

@@ -2,15 +2,23 @@
 
 L1 is consulted inline on the caller's thread (a dict lookup under a lock is
 microseconds; a hop to the event loop would cost more than the work). Lower tiers
-run on the engine's event loop with a bound on concurrent I/O, and anything they
-fail at is a miss.
+run on the engine's event loop with a bound on concurrent I/O and the I/O deadline
+(retrieves and prefetches alike), and anything they fail at is a miss. A plugin
+tier's lookups (batched_contains) run on threads of their own under the same
+deadline, so a plugin that hangs never holds the caller's thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import inspect
+import operator
+import queue
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import MemoryObj
@@ -45,6 +53,24 @@ class StorageManager:
             id(t): l1 if getattr(t, "waits_for_pages", False) else without_wait(l1)
             for t in self.lower
         }
+        # Each lower tier's miss counters: its own, or (a plugin's, which has none) ones
+        # kept here in L1's registry, so that what the engine sees of it (errors,
+        # timeouts, chunks it does not have) is counted like any tier's.
+        self._misses: dict[int, TierMisses] = {}
+        self._counts_absent: set[int] = set()
+        for t in self.lower:
+            own = getattr(t, "misses", None)
+            if not isinstance(own, TierMisses):
+                own = TierMisses(t.name, l1.misses.metrics)
+                self._counts_absent.add(id(t))
+            self._misses[id(t)] = own
+        # Where L1's pages lie: a lower tier's chunk must be one of them (its allocator's).
+        self._l1_base = l1.pool.buffer.data_ptr()
+        self._l1_bytes = l1.pool.capacity_bytes
+        self._lookup_pool: _DaemonPool | None = None  # made by the first lookup needing it
+        self._lookup_lock = threading.Lock()
+        self._closed = False
+        self._overdue: dict[int, concurrent.futures.Future] = {}
         self._loop = loop
         self._events = events
         self._io_timeout_s = io_timeout_s
@@ -112,7 +138,18 @@ class StorageManager:
         while n < len(keys) and self.lower:
             for tier in self.lower:
                 try:
-                    m = tier.batched_contains(keys[n:], pin=pin)
+                    if id(tier) in self._counts_absent:
+                        answer = self._foreign_count(tier, keys[n:], pin)
+                    else:
+                        answer = tier.batched_contains(keys[n:], pin=pin)
+                    m = _checked_count(answer, len(keys) - n)
+                    if m is None:
+                        if pin:  # what it pinned of its claim, nobody would unpin
+                            _unpin_claimed(tier, keys[n:], answer)
+                        raise TypeError(
+                            f"batched_contains answered {answer!r}, not a count in "
+                            f"0..{len(keys) - n}"
+                        )
                 except Exception as exc:
                     log.warning("tier lookup failed", tier=tier.name, error=repr(exc))
                     m = 0
@@ -125,6 +162,32 @@ class StorageManager:
             else:
                 break
         return n, per_tier, pinned
+
+    def _foreign_count(self, tier: Tier, keys: Sequence[ChunkKey], pin: bool) -> object:
+        """batched_contains of a tier from another package, within the I/O deadline.
+
+        kvmesh's own tiers answer from memory (or put their own deadline on a remote
+        question); a plugin's runs on a thread of its own here, so one that hangs costs
+        a lookup the deadline once, not the caller's thread. While that call is still
+        overdue the tier is left out of lookups (TimeoutError at once); what it pinned
+        for a lookup that gave up on it is unpinned when it answers."""
+        overdue = self._overdue.get(id(tier))
+        if overdue is not None and not overdue.done():
+            raise TimeoutError("its last lookup is still running past the deadline")
+        with self._lookup_lock:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            if self._lookup_pool is None:
+                self._lookup_pool = _DaemonPool(4 * len(self._counts_absent), "kvmesh-lookup")
+            pool = self._lookup_pool
+        fut = pool.submit(tier.batched_contains, keys, pin)
+        try:
+            return fut.result(timeout=self._io_timeout_s)
+        except concurrent.futures.TimeoutError:
+            self._overdue[id(tier)] = fut
+            if pin:
+                fut.add_done_callback(lambda f: _unpin_late(tier, keys, f))
+            raise TimeoutError(f"no answer within {self._io_timeout_s}s") from None
 
     # -- retrieve -------------------------------------------------------------------
     def get_prefix(self, keys: Sequence[ChunkKey]) -> tuple[list[MemoryObj], list[str]]:
@@ -149,13 +212,23 @@ class StorageManager:
                 names.append(name)
         return objs, names
 
-    async def aget_prefix(self, keys: Sequence[ChunkKey]) -> tuple[list[MemoryObj], list[str]]:
-        """`get_prefix` for code already on the engine's event loop."""
+    async def aget_prefix(
+        self, keys: Sequence[ChunkKey], timeout_s: float
+    ) -> tuple[list[MemoryObj], list[str]]:
+        """`get_prefix` for code already on the engine's event loop, within timeout_s:
+        a tier whose get never answers must not hold a prefetch (and its I/O slot)
+        forever. Past it, the prefix found so far in L1."""
         objs = self._l1_prefix(keys)
         names = [self.l1.name] * len(objs)
         if len(objs) < len(keys) and self.lower:
+            deadline = time.monotonic() + timeout_s
             try:
-                more = await self._lower_prefix(keys[len(objs) :])
+                # One timer for the whole prefix: the gets it cancels count their
+                # timeout misses themselves (_aget_lower), without a warning each.
+                async with asyncio.timeout(timeout_s):
+                    more = await self._lower_prefix(keys[len(objs) :], deadline)
+            except TimeoutError:
+                more = []
             except BaseException:
                 # Cancelled (a prefetch released, the engine closing): the L1 prefix's
                 # references were the caller's, and no caller gets them now.
@@ -203,8 +276,9 @@ class StorageManager:
         self, key: ChunkKey, deadline: float | None
     ) -> tuple[MemoryObj, str] | None:
         """The first lower tier's copy of key. A tier counts its own misses when it
-        answers None; what it cannot count (it raised, or `deadline` passed and the
-        get was cancelled) is counted here. A get cancelled before its deadline (a
+        answers None (a tier without counters, a plugin's, has them counted here);
+        what it cannot count (it raised, answered something that is no chunk, or
+        `deadline` passed) is counted here. A get cancelled before its deadline (a
         prefetch released, the engine closing) was abandoned, not missed."""
         for tier in self.lower:
             try:
@@ -212,17 +286,52 @@ class StorageManager:
                     obj = await tier.aget(key, self._allocators[id(tier)])
             except asyncio.CancelledError:
                 if deadline is not None and time.monotonic() >= deadline:
-                    _count_miss(tier, MissReason.TIMEOUT)
+                    self._count_miss(tier, MissReason.TIMEOUT)
                 raise
             except Exception as exc:
                 log.warning("tier get failed", tier=tier.name, error=repr(exc))
                 timed_out = isinstance(exc, TimeoutError)
-                _count_miss(tier, MissReason.TIMEOUT if timed_out else MissReason.ERROR)
+                self._count_miss(tier, MissReason.TIMEOUT if timed_out else MissReason.ERROR)
                 continue
-            if obj is not None:
-                self._promote(key, obj)
-                return obj, tier.name
+            if obj is None:
+                if id(tier) in self._counts_absent:
+                    self._count_miss(tier, MissReason.NOT_STORED)
+                continue
+            if not isinstance(obj, MemoryObj) or obj.is_freed:
+                # A plugin tier that broke its contract: what it gave is not a chunk
+                # the caller may read (nor a reference it may drop), so it is a miss.
+                log.error(
+                    "tier get returned no usable chunk; treated as a miss",
+                    tier=tier.name,
+                    returned=type(obj).__name__ if not isinstance(obj, MemoryObj) else repr(obj),
+                )
+                self._count_miss(tier, MissReason.ERROR)
+                continue
+            if not self._in_l1(obj):
+                # Not from the allocator it was given: promoted, it would sit in L1
+                # outside L1's pool, uncounted and past its capacity. Its reference is
+                # ours to drop, which gives the page back to wherever it came from.
+                log.error(
+                    "tier get returned a chunk from outside L1's pool; treated as a miss",
+                    tier=tier.name,
+                )
+                obj.ref_down()
+                self._count_miss(tier, MissReason.ERROR)
+                continue
+            self._promote(key, obj)
+            return obj, tier.name
         return None
+
+    def _removed_from_l1(self, key: ChunkKey) -> None:
+        self._events.record(KVEventKind.REMOVED, key.to_str(), self.l1.name)
+
+    def _in_l1(self, obj: MemoryObj) -> bool:
+        return 0 <= obj.data_ptr - self._l1_base < self._l1_bytes
+
+    def _count_miss(self, tier: Tier, reason: MissReason) -> None:
+        misses = self._misses.get(id(tier))
+        if misses is not None:
+            misses.inc(reason)
 
     def _promote(self, key: ChunkKey, obj: MemoryObj) -> None:
         obj.ref_up()  # L1's own reference; the caller keeps the one aget gave
@@ -248,7 +357,13 @@ class StorageManager:
     def clear(self, tier: str | None = None) -> int:
         n = 0
         for t in self.tiers:
-            if tier is None or t.name == tier:
+            if tier is not None and t.name != tier:
+                continue
+            if t is self.l1:
+                # As remove() does: without these events the controller went on naming
+                # this engine as the holder of every chunk it had dropped.
+                n += self.l1.clear(self._removed_from_l1)
+            else:
                 n += t.clear()
         return n
 
@@ -262,15 +377,80 @@ class StorageManager:
         return done
 
     def close(self) -> None:
+        with self._lookup_lock:
+            self._closed = True
+            pool, self._lookup_pool = self._lookup_pool, None
+        if pool is not None:
+            pool.shutdown()
         for tier in self.lower:
             tier.close()
         self.l1.close()
 
 
-def _count_miss(tier: Tier, reason: MissReason) -> None:
-    misses = getattr(tier, "misses", None)  # tiers passed in by tests may have none
-    if isinstance(misses, TierMisses):
-        misses.inc(reason)
+def _checked_count(m: object, asked: int) -> int | None:
+    """A lower tier's batched_contains answer as a count in 0..asked (any integer type
+    a plugin may use, numpy's included), or None: a tier that claims more than it was
+    asked (or answers something else) would make the lookup promise tokens that do
+    not exist."""
+    if inspect.iscoroutine(m):
+        m.close()  # an `async def` batched_contains: never awaited, nothing to run
+        return None
+    try:
+        n = operator.index(m)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    return n if 0 <= n <= asked else None
+
+
+def _unpin_claimed(tier: Tier, keys: Sequence[ChunkKey], answer: object) -> None:
+    """Unpin what a refused answer claimed to have pinned (at most the keys asked)."""
+    try:
+        n = operator.index(answer)  # type: ignore[arg-type]
+    except TypeError:
+        return
+    for key in keys[: max(0, min(n, len(keys)))]:
+        try:
+            tier.unpin(key)
+        except Exception as exc:
+            log.warning("tier unpin failed", tier=tier.name, error=repr(exc))
+
+
+class _DaemonPool:
+    """Threads for calls that may never return (a plugin's, stuck): daemons, so a
+    stuck one holds up neither close nor the process's exit, as the workers of a
+    ThreadPoolExecutor would (they are joined at exit)."""
+
+    def __init__(self, n: int, name: str) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(n):
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
+        self._n = n
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((fut, fn, args))
+        return fut
+
+    def shutdown(self) -> None:
+        for _ in range(self._n):
+            self._jobs.put(None)  # each idle thread ends; a stuck one ends with the process
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fut, fn, args = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+
+def _unpin_late(tier: Tier, keys: Sequence[ChunkKey], fut: concurrent.futures.Future) -> None:
+    """A lookup gave up on this answer: whatever it pinned nobody will unpin."""
+    if fut.cancelled() or fut.exception() is not None:
+        return
+    _unpin_claimed(tier, keys, fut.result())
 
 
 def _drop_all(objs: Sequence[MemoryObj]) -> None:

@@ -112,6 +112,11 @@ def test_events_reach_the_registry_and_lookups_route_to_the_holder(controller) -
         wait_for(lambda: chunks_of(controller).get("A/0") == {"l1": 2}, what="A's evicts")
         assert b.peer_locator.locate(keys_of(b, toks), 2.0) is None
         assert b.peer_locator.locate(keys_of(b, toks)[2:], 2.0).count == 2
+        # So does a whole tier cleared by the engine's own API (not the admin command,
+        # which sends a full state after): its holders were listed for good.
+        assert a.clear(tier="l1") == 2
+        wait_for(lambda: chunks_of(controller).get("A/0") == {"l1": 0}, what="A's clear")
+        assert b.peer_locator.locate(keys_of(b, toks)[2:], 2.0) is None
     finally:
         for eng in (a, b, c):
             eng.close()

@@ -179,3 +179,16 @@ async def test_a_client_that_hangs_up_mid_body_is_not_logged_as_an_error(
         controller, b"GET /health HTTP/1.1\r\nHost: c\r\nConnection: close\r\n\r\n"
     )
     assert status == 200
+
+
+async def test_head_answers_like_get_without_a_body(controller: ControllerServer) -> None:
+    """HEAD of the read-only paths, as docs/operations.md promises of every process
+    (load balancers and uptime checkers probe with it); other methods stay refused."""
+    for path in ("/health", "/healthz", "/metrics", "/workers"):
+        raw = f"HEAD {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode()
+        status, body = await request(controller, raw)
+        assert (status, body) == (200, b""), path
+    status, _ = await request(
+        controller, b"PUT /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    assert status == 405

@@ -177,10 +177,9 @@ def test_a_peer_restarted_behind_its_endpoint_is_read_from_at_the_first_try(
         assert b(op="agent_loaded", agent=a2.info["agent"])["loaded"] is True
 
 
-def test_a_peer_unused_for_peer_idle_s_is_let_go_and_greeted_again_at_next_use(nodes) -> None:
-    """Peers come and go under new addresses (pods replaced): the connection and NIXL
-    agent of one unused for `peer_idle_s` are let go, so they do not pile up; reading
-    from it again later hellos it afresh."""
+def read_from_a_with_c_beside(nodes):
+    """Peers a and c over NIXL, each with a prompt located by reader b (peer_idle_s
+    1.5 s), which has read a's: (a, c, b, what a stored)."""
     a, c = nodes(
         {"name": "a", "seed": 1, "channel": "nixl"}, {"name": "c", "seed": 2, "channel": "nixl"}
     )
@@ -190,17 +189,43 @@ def test_a_peer_unused_for_peer_idle_s_is_let_go_and_greeted_again_at_next_use(n
     b(op="locate", keys=from_a["keys"], endpoint=a.endpoint)
     b(op="locate", keys=from_c["keys"], endpoint=c.endpoint)
     assert b(op="retrieve", seed=1, n=32)["loaded"] == 32
-    assert b(op="agent_loaded", agent=a.info["agent"])["loaded"] is True
+    return a, c, b, from_a
+
+
+def assert_let_go_after_idle(a, c, b) -> None:
+    """Past b's peer_idle_s, reading from c lets a's NIXL agent go and keeps c's."""
     time.sleep(2.0)
     got = b(op="retrieve", seed=2, n=32)  # using another peer is when idle ones go
     assert got["loaded"] == 32 and got["agents_retired"] == 1
     assert b(op="agent_loaded", agent=a.info["agent"])["loaded"] is False
     assert b(op="agent_loaded", agent=c.info["agent"])["loaded"] is True
+
+
+def test_a_peer_unused_for_peer_idle_s_is_let_go_and_greeted_again_at_next_use(nodes) -> None:
+    """Peers come and go under new addresses (pods replaced): the connection and NIXL
+    agent of one unused for `peer_idle_s` are let go, so they do not pile up; reading
+    from it again later hellos it afresh."""
+    a, c, b, from_a = read_from_a_with_c_beside(nodes)
+    assert b(op="agent_loaded", agent=a.info["agent"])["loaded"] is True
+    assert_let_go_after_idle(a, c, b)
     b(op="clear")
     again = b(op="retrieve", seed=1, n=32)
     assert again["loaded"] == 32 and again["kv"] == from_a["kv"]
     assert again["gets"]["error"] == 0, again["misses"]
     assert b(op="agent_loaded", agent=a.info["agent"])["loaded"] is True
+
+
+def test_a_peer_that_died_while_read_is_let_go_after_peer_idle_s_too(nodes) -> None:
+    """A failed read drops the peer's connection, so the idle sweep, which walked only
+    live connections, never saw it: the dead peer's NIXL agent stayed loaded for the
+    reader's life, one per peer that died while read (pods replaced under new
+    addresses)."""
+    a, c, b, _ = read_from_a_with_c_beside(nodes)
+    a.kill()
+    b(op="clear")
+    assert b(op="retrieve", seed=1, n=32)["loaded"] == 0  # its connection dropped
+    assert b(op="agent_loaded", agent=a.info["agent"])["loaded"] is True
+    assert_let_go_after_idle(a, c, b)
 
 
 @pytest.mark.parametrize("channel", ["nixl", "zmq"])

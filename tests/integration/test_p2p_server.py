@@ -127,5 +127,7 @@ def test_a_message_of_more_frames_than_any_request_has_is_refused(sock) -> None:
         frames = sock.recv_multipart()
         reply = proto.decode_reply(frames)
         assert isinstance(reply, proto.ReadChunksReply) and len(frames) == 2
+        # Counted by the code's name, as every service's errors_total is.
+        assert e.stats.metrics.value("p2p_server_errors_total", {"code": "bad_message"}) == 1
     finally:
         e.close()

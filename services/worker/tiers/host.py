@@ -258,10 +258,18 @@ class HostTier:
         obj.ref_down()
         return True
 
-    def clear(self) -> int:
+    def clear(self, removed: Callable[[ChunkKey], None] | None = None) -> int:
+        """Drop every unpinned chunk; removed(key) is called after each one goes (before
+        the next: a store of that key meanwhile then reports it after its removal)."""
         with self._lock:
             keys = [k for k, o in self._objs.items() if not o.is_pinned]
-        return sum(self.remove(k) for k in keys)
+        n = 0
+        for k in keys:
+            if self.remove(k):
+                n += 1
+                if removed is not None:
+                    removed(k)
+        return n
 
     def pin(self, key: ChunkKey) -> bool:
         with self._lock:

@@ -14,6 +14,14 @@ controller, which learns of them from our KV events.
   key, its dtype and size, and the xxh3 of its bytes (over NIXL, hashed as each
   chunk lands while the next ones are still moving). Whatever fails (dead peer,
   deadline, bad reply, bad checksum, no memory) is a miss and is counted.
+- **Peers that stopped answering**: the controller goes on naming a dead peer until it
+  misses its heartbeats (3 s by default), and each read of it would wait the whole
+  `timeout_s`. A peer whose connection got no reply at all during PEER_DOWN_AFTER reads
+  in a row (dead, unreachable) is left alone for PEER_DOWN_S: lookups naming it count
+  0 (`down`) and gets of chunks already located there miss at once. The first lookup
+  after that asks it again. One slow read, or a transfer late after the peer answered,
+  is not enough: a live peer losing every hit for seconds would cost more than a dead
+  one's second deadline.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from kvmesh.common.memory import MemoryFormat, MemoryObj
 from kvmesh.common.observability import Metrics, get_logger
 from kvmesh.common.protocol.p2p import ChunkMeta
 from kvmesh.common.transport.channel import Landed, PeerError, TransferChannel
+from kvmesh.common.transport.channel_nixl import AgentChanged
 from kvmesh.services.worker.loop_thread import LoopThread
 from kvmesh.services.worker.peer_locator import PeerLocator
 from kvmesh.services.worker.tiers.base import Allocator, drop_late, without_wait
@@ -42,6 +51,11 @@ from kvmesh.services.worker.tiers.p2p_stats import P2PStats
 log = get_logger(__name__)
 
 WHERE_CAPACITY = 1 << 16  # keys whose peer we remember between lookup and retrieve
+# Longer than the controller's default window for a dead worker (3 heartbeats of 1 s),
+# so a dead peer costs one read's deadline instead of one per request until then; short
+# enough that a peer back from a pause (or restarted behind its endpoint) is soon read.
+PEER_DOWN_S = 5.0
+PEER_DOWN_AFTER = 2  # reads in a row its connection got no reply during
 _Waiter = tuple[ChunkKey, "asyncio.Future[MemoryObj | None]", Allocator]
 # Why chunks of a read did not arrive, filled in by `fetch` for its caller.
 Reasons = dict[ChunkKey, MissReason]
@@ -69,6 +83,11 @@ class P2PTier:
         self._where: OrderedDict[ChunkKey, str] = OrderedDict()
         self._batches: dict[str, list[_Waiter]] = {}
         self._reads: set[asyncio.Future[None]] = set()
+        # Endpoint -> monotonic time until which it is not asked (it did not answer).
+        # Written on the loop, read from the scheduler's thread too (single dict ops).
+        self._down: dict[str, float] = {}
+        # Endpoint -> reads in a row that got no reply at all (loop only).
+        self._silent: dict[str, int] = {}
         self._closed = False
 
     # -- lookups ------------------------------------------------------------------------
@@ -92,6 +111,9 @@ class P2PTier:
             return "", 0
         if where.endpoint == self._own():
             self.stats.lookups["self"].inc()
+            return "", 0
+        if self._is_down(where.endpoint):
+            self.stats.lookups["down"].inc()
             return "", 0
         n = min(where.count, len(keys))
         for key in keys[:n]:
@@ -122,6 +144,10 @@ class P2PTier:
                 self.stats.gets["no_peer"].inc()
                 self.misses.inc(MissReason.NOT_STORED)
                 return None
+        elif self._is_down(endpoint):  # located before its peer stopped answering
+            self.stats.gets["down"].inc()
+            self.misses.inc(MissReason.REMOTE_DOWN)
+            return None
         fut: asyncio.Future[MemoryObj | None] = asyncio.get_running_loop().create_future()
         batch = self._batches.get(endpoint)
         if batch is None:
@@ -144,6 +170,7 @@ class P2PTier:
         reasons: Reasons = {}
         keys = [key for key, _, _ in waiters]
         t0 = time.perf_counter()
+        started = time.monotonic()
         try:
             results = await self.fetch(
                 endpoint, keys, waiters[0][2], self.config.timeout_s, reasons=reasons
@@ -155,10 +182,23 @@ class P2PTier:
             reasons.update(dict.fromkeys(keys, reason))
             for key in keys:
                 self._where.pop(key, None)
+            # Only a peer that gave no answer: one that refused (an ErrorReply), was
+            # found restarted behind its endpoint (AgentChanged), or replied during the
+            # read (a NIXL transfer late after its pin reply) is alive.
+            silent = (
+                exc.code is None
+                and not isinstance(exc, AgentChanged)
+                and exc.conn is not None
+                and exc.conn.last_reply < started
+            )
+            self._count_silent(endpoint, silent)
         except Exception:
             log.exception("p2p read failed", peer=endpoint)
             self.stats.gets["error"].inc(len(waiters))
             reasons.update(dict.fromkeys(keys, MissReason.ERROR))
+        else:
+            self._down.pop(endpoint, None)  # it answered
+            self._silent.pop(endpoint, None)
         finally:
             self.stats.seconds["read"].observe(time.perf_counter() - t0)
             for key, fut, _ in waiters:
@@ -173,6 +213,30 @@ class P2PTier:
                     fut.set_result(obj)
             for obj in results.values():  # duplicates of one key
                 obj.ref_down()
+
+    def _is_down(self, endpoint: str) -> bool:
+        until = self._down.get(endpoint)
+        return until is not None and time.monotonic() < until
+
+    def _count_silent(self, endpoint: str, silent: bool) -> None:
+        if not silent:
+            self._silent.pop(endpoint, None)
+            return
+        n = self._silent.pop(endpoint, 0) + 1
+        if n >= PEER_DOWN_AFTER:
+            self._mark_down(endpoint)
+            return
+        if len(self._silent) >= WHERE_CAPACITY:  # peers that failed once, never read again
+            self._silent.clear()
+        self._silent[endpoint] = n
+
+    def _mark_down(self, endpoint: str) -> None:
+        now = time.monotonic()
+        for ep, until in list(self._down.items()):  # bounded by the peers that failed lately
+            if until <= now:
+                self._down.pop(ep, None)
+        self._down[endpoint] = now + PEER_DOWN_S
+        log.info("p2p peer not asked for a while", peer=endpoint, seconds=PEER_DOWN_S)
 
     def _peer_error_reason(self, exc: PeerError, elapsed_s: float) -> MissReason:
         if elapsed_s >= self.config.timeout_s * 0.95:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from kvmesh.common.observability import Metrics
 
-LOOKUP_RESULTS = ("found", "none", "no_locator", "self", "error")
-GET_RESULTS = ("hit", "miss", "no_peer", "error", "corrupt", "no_memory")
+LOOKUP_RESULTS = ("found", "none", "no_locator", "self", "error", "down")
+GET_RESULTS = ("hit", "miss", "no_peer", "error", "corrupt", "no_memory", "down")
 OPS = ("locate", "read")
 
 
@@ -14,8 +14,8 @@ class P2PStats:
         self.metrics = m = metrics if metrics is not None else Metrics()
         lookups = m.counter(
             "p2p_lookups_total",
-            "P2P lookups: a peer found, none, no locator attached, only ourselves, or "
-            "the locator failed",
+            "P2P lookups: a peer found, none, no locator attached, only ourselves, the "
+            "locator failed, or the peer named did not answer lately (down)",
             ["result"],
         )
         self.lookups = {r: lookups.labels(result=r) for r in LOOKUP_RESULTS}

@@ -11,6 +11,8 @@ wrong: a tier that cannot vouch for a chunk's bytes returns a miss.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,13 +45,49 @@ def make_plugin_tier(cfg: TierPluginConfig, context: TierContext) -> Tier:
         missing = [
             m for m in ("name", "get", "aget", "contains", "submit_put") if not hasattr(tier, m)
         ]
+        _close_quietly(tier)
         raise PluginError(
             f"{TIERS_GROUP} plugin {cfg.plugin!r} returned a {type(tier).__name__}, "
             f"which is not a Tier (missing: {', '.join(missing) or 'some methods'})"
         )
     if tier.name != context.name:
+        _close_quietly(tier)
         raise PluginError(
             f"{TIERS_GROUP} plugin {cfg.plugin!r} named its tier {tier.name!r}; "
             f"it must use context.name ({context.name!r})"
         )
+    wrong = _wrong_kinds(tier)
+    if wrong:
+        _close_quietly(tier)
+        raise PluginError(
+            f"{TIERS_GROUP} plugin {cfg.plugin!r} returned a {type(tier).__name__} that "
+            f"breaks the Tier protocol: {'; '.join(wrong)}"
+        )
     return tier
+
+
+# The engine awaits `aget` and calls every other method directly: an `aget` that is a
+# plain function hands back an object nobody releases (its L1 page leaks), and a
+# coroutine where a count or a bool is expected breaks the lookup that adds it up.
+_SYNC_METHODS = (
+    "contains", "batched_contains", "submit_put", "get", "remove", "clear", "pin", "unpin",
+    "touch", "flush", "close",
+)  # fmt: skip
+
+
+def _wrong_kinds(tier: Tier) -> list[str]:
+    wrong = [] if inspect.iscoroutinefunction(tier.aget) else ["aget is not async def"]
+    for m in _SYNC_METHODS:
+        if inspect.iscoroutinefunction(getattr(tier, m)):
+            wrong.append(f"{m} is async def")
+    return wrong
+
+
+def _close_quietly(tier: object) -> None:
+    """A refused tier was built all the same: let go of what it opened (threads,
+    files), since the engine that would close it is not going to exist."""
+    close = getattr(tier, "close", None)
+    if callable(close) and not inspect.iscoroutinefunction(close):
+        # The error worth reporting is the PluginError, not one from closing.
+        with contextlib.suppress(Exception):
+            close()

@@ -29,14 +29,15 @@ around them and treats any exception as a failed request (a miss); `ValueRefused
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
-from urllib.parse import urlsplit
 
 from kvmesh.common.chunk_codec import ChunkHeader, Payload
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.plugins import CONNECTORS_GROUP, PluginError, build, installed
+from kvmesh.common.redact import redact_url
 
 if TYPE_CHECKING:
     from kvmesh.common.transport.curve import CurveKeys
@@ -115,15 +116,6 @@ class Connector(Protocol):
     async def close(self) -> None: ...
 
 
-def redact(url: str) -> str:
-    """url with any password replaced by ***."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return parts._replace(netloc=netloc).geturl()
-
-
 def make_connector(
     url: str,
     *,
@@ -150,7 +142,7 @@ def make_connector(
         from kvmesh.services.worker.tiers.remote_fs import FsConnector
 
         return FsConnector(url)
-    raise ValueError(f"unknown remote URL scheme {scheme!r} in {redact(url)!r}; use {SCHEMES}")
+    raise ValueError(f"unknown remote URL scheme {scheme!r} in {redact_url(url)!r}; use {SCHEMES}")
 
 
 _CONNECTOR_MEMBERS = (
@@ -167,7 +159,30 @@ def _plugin_connector(spec: str, url: str, key_prefix: str, timeout_s: float) ->
             f"{CONNECTORS_GROUP} plugin {spec!r} returned a {type(conn).__name__} without "
             f"{', '.join(missing)}: not a Connector"
         )
+    # The tier awaits these: a plain function there fails every request at run time
+    # (the store flaps down and up) instead of stopping the engine at startup.
+    wrong = [
+        f"{m} is not async def"
+        for m in _CONNECTOR_ASYNC
+        if not _is_async(getattr(conn, m, None), m == "get_into")
+    ]
+    if inspect.iscoroutinefunction(conn.connected):
+        wrong.append("connected is async def")
+    if wrong:
+        raise PluginError(
+            f"{CONNECTORS_GROUP} plugin {spec!r} returned a {type(conn).__name__} that "
+            f"breaks the Connector protocol: {'; '.join(wrong)}"
+        )
     return conn
+
+
+_CONNECTOR_ASYNC = (
+    "reconnect", "ping", "put", "get", "exists", "delete", "clear", "close", "get_into",
+)  # fmt: skip
+
+
+def _is_async(method: Any, optional: bool) -> bool:
+    return (method is None and optional) or inspect.iscoroutinefunction(method)
 
 
 def host_ports(netloc: str, default_port: int) -> list[tuple[str, int]]:

@@ -32,12 +32,12 @@ from redis.exceptions import OutOfMemoryError, ResponseError
 from kvmesh.common import offload
 from kvmesh.common.chunk_codec import VALUE_LAYOUT, ChunkHeader, CorruptChunk
 from kvmesh.common.keys import ChunkKey
+from kvmesh.common.redact import redact_url
 from kvmesh.services.worker.tiers.remote_connector import (
     Fetched,
     StoreFull,
     ValueRefused,
     host_ports,
-    redact,
 )
 
 DEFAULT_PORT = 6379
@@ -88,7 +88,7 @@ class RedisConnector:
 
     @property
     def display(self) -> str:
-        return redact(self._url)
+        return redact_url(self._url)
 
     def _name(self, key: ChunkKey) -> str:
         return self.prefix + key.to_str()

@@ -125,7 +125,9 @@ class KvmeshConnector(KVConnectorBase_V1):
         options, cfg = parse_extra_config(kvt.kv_connector_extra_config)
         self.kvmesh_config = cfg
         if not structlog.is_configured():
-            configure_logging(cfg.logging.level, json=cfg.logging.json, service="kvmesh-vllm")
+            configure_logging(
+                cfg.logging.level, json=cfg.logging.json, service="kvmesh-vllm", libraries=False
+            )
         engine_cfg = _engine_config(vllm_config, cfg.engine)
         self.instance_id = instance_id_for(vllm_config, options.instance_id)
         pc = vllm_config.parallel_config

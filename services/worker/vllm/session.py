@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvmesh.services.worker.tiers import p2p_stats, remote_stats
 from kvmesh.services.worker.tiers.misses import MissReason
 from kvmesh.services.worker.tiers.remote_stats import PUT_RESULTS
 
@@ -88,13 +89,13 @@ def _engine_stats(instance_id: str) -> dict[str, float]:
     }
     for result in PUT_RESULTS:
         names[f"remote_puts_{result}"] = ("remote_puts_total", {"result": result})
-    for result in ("cached", "asked", "down", "timeout", "error"):
+    for result in remote_stats.LOOKUP_RESULTS:
         names[f"remote_lookups_{result}"] = ("remote_lookups_total", {"result": result})
     names["tokens_hit_p2p"] = ("tokens_hit_total", {"tier": "p2p"})
     names["p2p_received_bytes"] = ("p2p_received_bytes_total", None)
-    for result in ("hit", "miss", "no_peer", "error", "corrupt", "no_memory"):
+    for result in p2p_stats.GET_RESULTS:
         names[f"p2p_gets_{result}"] = ("p2p_gets_total", {"result": result})
-    for result in ("found", "none", "no_locator", "self", "error"):
+    for result in p2p_stats.LOOKUP_RESULTS:
         names[f"p2p_lookups_{result}"] = ("p2p_lookups_total", {"result": result})
     out = {}
     for key, (name, labels) in names.items():

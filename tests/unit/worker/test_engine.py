@@ -394,6 +394,11 @@ def test_lower_tier_hit_is_promoted_to_l1_and_loads_exactly() -> None:
         text = eng.stats.metrics.render().decode()
         assert 'tokens_hit_total{instance="t",rank="0",tier="mem"} 24.0' in text
         assert 'tokens_hit_total{instance="t",rank="0",tier="l1"} 24.0' in text
+        # The L1 gauges count the promoted chunks, though no store passed since the
+        # clear that emptied L1.
+        assert 'l1_chunks{instance="t",rank="0"} 3.0' in text
+        assert f'l1_usage_bytes{{instance="t",rank="0"}} {float(eng.pool.used_bytes)}' in text
+        assert eng.pool.used_bytes > 0
     finally:
         eng.close()
 

@@ -261,7 +261,7 @@ def test_malformed_frames_get_error_replies_and_the_server_goes_on(served) -> No
     p = prompt(8)
     eng.store(p, slots(8))
     assert client.lookup(p, "after") == 8
-    errors = eng.stats.metrics.value("lookup_server_errors_total", {"code": "1"})
+    errors = eng.stats.metrics.value("lookup_server_errors_total", {"code": "bad_message"})
     assert errors == 2
 
 

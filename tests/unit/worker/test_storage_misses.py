@@ -5,6 +5,7 @@ and a load abandoned before its deadline (a prefetch released) no miss at all.""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 
@@ -90,8 +91,8 @@ def test_the_load_deadline_is_a_timeout_miss_per_chunk(parts) -> None:
 def test_an_abandoned_load_is_no_miss(parts) -> None:
     l1, metrics, loop = parts
     tier = StallingTier(metrics)
-    sm = manager(l1, tier, loop)
-    fut = loop.submit(sm.aget_prefix(KEYS))  # a prefetch: no deadline of its own
+    sm = manager(l1, tier, loop, timeout_s=30.0)
+    fut = loop.submit(sm.aget_prefix(KEYS, 30.0))  # a prefetch: a deadline far off
     wait_for(lambda: tier.started == 3, 5, "the gets started")
     fut.cancel()  # released before it finished
     wait_for(lambda: fut.cancelled(), 5, "the prefetch cancelled")
@@ -145,4 +146,39 @@ def test_tiers_get_an_allocator_that_never_waits_on_the_loop() -> None:
             obj.ref_down()
         loop.stop()
         l1.close()
+        pool.close()
+
+
+class CountingTier:
+    """A tier of another package (no `misses` of its own): its lookups run on the
+    manager's lookup threads."""
+
+    name = "plain"
+
+    def batched_contains(self, keys, pin=False) -> int:
+        return 0
+
+    def close(self) -> None:
+        return None
+
+
+def test_no_lookup_threads_are_made_after_close() -> None:
+    """A lookup racing close (or after it) made a new pool of lookup threads that
+    nobody would shut down."""
+    pool = HostMemoryPool(1 << 20, page_size=4096)
+    loop = LoopThread("misses-close")
+    sm = StorageManager(HostTier(pool, metrics=Metrics()), [CountingTier()], loop, KVEventBuffer())
+
+    def lookup_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("kvmesh-lookup")}
+
+    before = lookup_threads()
+    try:
+        assert sm.prefix_hits(KEYS)[0] == 0  # makes the pool
+        assert lookup_threads() - before
+        sm.close()
+        assert sm.prefix_hits(KEYS)[0] == 0  # a miss, not an error
+        wait_for(lambda: not lookup_threads() - before, 5, "the lookup threads to end")
+    finally:
+        loop.stop()
         pool.close()

@@ -1,0 +1,58 @@
+"""redact_url: what `kvmesh doctor` and `kvmesh config check` print of a URL."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmesh.common.redact import redact_text, redact_url, redact_values
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://user:pw@host:6379/0", "redis://user:***@host:6379/0"),
+        ("redis://:pw@host", "redis://:***@host"),
+        ("rediss://tok3n@host:6380", "rediss://***@host:6380"),
+        ("redis-cluster://u:p@a:7000,b:7001", "redis-cluster://u:***@a:7000,b:7001"),
+        ("redis://u:p@ss@host/1", "redis://u:***@host/1"),
+        ("redis://host:6379", "redis://host:6379"),
+        ("tcp://127.0.0.1:7600", "tcp://127.0.0.1:7600"),
+        ("http://host/a@b", "http://host/a@b"),
+        # redis-py reads a password from the query too.
+        ("redis://h:6379/0?password=s3cr3t", "redis://h:6379/0?password=***"),
+        ("redis://u:p@h/0?db=1&token=abc#f", "redis://u:***@h/0?db=1&token=***#f"),
+        # An '@' past the authority is no userinfo.
+        ("http://h?next=a@b", "http://h?next=a@b"),
+        ("http://dec:8000?tag=a@b", "http://dec:8000?tag=a@b"),
+        ("redis://cache:6379#ops@team", "redis://cache:6379#ops@team"),
+        # ...except for redis-cluster, whose parser takes all up to '/'.
+        ("redis-cluster://u:p?ss@h:1,h2:2", "redis-cluster://u:***@h:1,h2:2"),
+        # A typo'd URL an error quotes: all before its last '@' is hidden.
+        ("redis:/alice:s3cret@cache:6379", "***@cache:6379"),
+        ("", ""),
+        ("not a url", "not a url"),
+    ],
+)
+def test_redact_url(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
+
+
+def test_redact_text_and_values() -> None:
+    url = "redis://u:pw@h:1"
+    assert redact_text(f"no port in {url}", url) == "no port in redis://u:***@h:1"
+    tree = {"a": {"url": url, "n": 1, "l": [url, "x"]}, "b": "plain"}
+    assert redact_values(tree) == {
+        "a": {"url": "redis://u:***@h:1", "n": 1, "l": ["redis://u:***@h:1", "x"]},
+        "b": "plain",
+    }
+
+
+def test_redact_text_hides_rewritten_and_cut_copies() -> None:
+    """A client quoting the URL it rewrote (tcp:// for kvmesh://) and an error cut to
+    its first characters kept the password."""
+    url = "kvmesh://alice:s3cret@127.0.0.1:7700"
+    said = "ZMQError: Invalid argument (addr='tcp://alice:s3cret@127.0.0.1:7700')"
+    assert "s3cret" not in redact_text(said, url)
+    assert "tcp://alice:***@127.0.0.1:7700" in redact_text(said, url)
+    long_url = "s3://AKIA:SECRETKEY@bucket/" + "p" * 300
+    assert "SECRET" not in redact_text(f"ValueError: no port in {long_url}", long_url)[:300]

@@ -1,0 +1,130 @@
+"""The P2P tier and a peer that stopped answering (audit H20): a real ZMQ channel
+aimed at an address nothing listens on, located there by a fixed table, as the
+controller goes on naming a dead worker until it misses its heartbeats."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import zmq
+from kvtest.p2p import FixedLocator
+from kvtest.service_process import free_port
+
+from kvmesh.common.config import P2PConfig
+from kvmesh.common.keys import ChunkKey
+from kvmesh.common.memory import HostMemoryPool
+from kvmesh.common.protocol import p2p as proto
+from kvmesh.common.transport.channel_zmq import ZmqChannel
+from kvmesh.services.worker.loop_thread import LoopThread
+from kvmesh.services.worker.tiers import p2p
+from kvmesh.services.worker.tiers.host import HostTier
+from kvmesh.services.worker.tiers.p2p import P2PTier
+
+KEYS = [ChunkKey("0123456789abcdef", bytes([i]) * 16) for i in range(4)]
+TIMEOUT_S = 0.3
+
+
+@pytest.fixture
+def loop():
+    lt = LoopThread("p2p-churn-test")
+    yield lt
+    lt.stop()
+
+
+def count(t: P2PTier, name: str, **labels: str) -> float:
+    return t.stats.metrics.value(name, labels)
+
+
+def tier_at(endpoint: str, loop: LoopThread) -> tuple[P2PTier, HostMemoryPool, HostTier]:
+    """A P2P tier whose locator names endpoint for every key, and an L1 to read into."""
+    cfg = P2PConfig(enabled=True, timeout_s=TIMEOUT_S)
+    t = P2PTier(ZmqChannel(), loop, cfg, lambda: FixedLocator(dict.fromkeys(KEYS, endpoint)), str)
+    pool = HostMemoryPool(4 * 4096, page_size=4096, reserve_bytes=0)
+    return t, pool, HostTier(pool, alloc_timeout_s=0.1)
+
+
+def test_a_peer_that_did_not_answer_is_left_alone_for_a_while_then_asked_again(
+    loop, monkeypatch
+) -> None:
+    monkeypatch.setattr(p2p, "PEER_DOWN_S", 1.0)
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    t, pool, l1 = tier_at(dead, loop)
+    try:
+        # Two requests looked up before either is retrieved (a scheduler step).
+        assert t.batched_contains(KEYS[:2]) == 2 and t.batched_contains(KEYS[2:]) == 2
+        t0 = time.monotonic()
+        assert loop.run(t.aget(KEYS[0], l1), 5) is None
+        assert time.monotonic() - t0 >= TIMEOUT_S * 0.9  # it waited its deadline
+        assert count(t, "p2p_gets_total", result="error") == 1
+        # One silent read is not enough (a slow peer): the next read asks it again, and
+        # its second silence in a row leaves it alone.
+        t0 = time.monotonic()
+        assert loop.run(t.aget(KEYS[1], l1), 5) is None
+        assert time.monotonic() - t0 >= TIMEOUT_S * 0.9
+        assert count(t, "p2p_gets_total", result="error") == 2
+        # The other request's chunk, located there too: a miss at once, not a wait.
+        t0 = time.monotonic()
+        assert loop.run(t.aget(KEYS[2], l1), 5) is None
+        assert time.monotonic() - t0 < TIMEOUT_S / 3
+        assert count(t, "p2p_gets_total", result="down") == 1
+        assert count(t, "chunk_misses_total", tier="p2p", reason="remote_down") == 1
+        # Lookups naming it count nothing while it is left alone...
+        assert t.batched_contains(KEYS) == 0
+        assert count(t, "p2p_lookups_total", result="down") == 1
+        # ...and name it again after that.
+        time.sleep(1.1)
+        assert t.batched_contains(KEYS) == 4
+        assert count(t, "p2p_lookups_total", result="found") == 3
+    finally:
+        t.close()
+        pool.close()
+
+
+class SlowOnce(threading.Thread):
+    """A ZMQ peer that answers every read with no chunks; the first after 0.6 s."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__(daemon=True)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.bind(f"tcp://127.0.0.1:{port}")
+        self.n = 0
+        self.stop = False
+
+    def run(self) -> None:
+        while not self.stop:
+            if not self.sock.poll(50):
+                continue
+            frames = self.sock.recv_multipart()
+            msg = proto.decode_request(frames[1:])
+            self.n += 1
+            if self.n == 1:
+                time.sleep(0.6)
+            self.sock.send_multipart([frames[0], proto.encode(proto.ReadChunksReply(msg.rid, []))])
+        self.ctx.destroy(linger=0)
+
+
+def test_a_slow_peer_that_answers_the_next_read_is_never_left_alone(loop) -> None:
+    """One read past the deadline (a large prefix, a busy peer) paused a live peer for
+    PEER_DOWN_S, every hit of it lost though it answered the next read at once."""
+    port = free_port()
+    peer = SlowOnce(port)
+    peer.start()
+    ep = f"tcp://127.0.0.1:{port}"
+    t, pool, l1 = tier_at(ep, loop)
+    try:
+        assert t.batched_contains(KEYS[:2]) == 2
+        assert loop.run(t.aget(KEYS[0], l1), 5) is None  # past its deadline
+        time.sleep(0.4)  # the peer is quick from now on
+        assert t.batched_contains(KEYS[1:2]) == 1
+        assert loop.run(t.aget(KEYS[1], l1), 5) is None  # answered: it holds none
+        assert count(t, "p2p_gets_total", result="miss") == 1
+        for _ in range(3):
+            assert t.batched_contains(KEYS) == 4
+        assert count(t, "p2p_lookups_total", result="down") == 0
+    finally:
+        peer.stop = True
+        t.close()
+        pool.close()
