@@ -14,6 +14,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
 HIDDEN = "***"
+_STORE_SCHEMES = frozenset({"redis", "rediss", "redis-cluster", "kvmesh", "unix"})
 # Query parameters that carry a secret (redis-py reads `password`; object stores and
 # proxies use the others).
 _SECRET_PARAM = re.compile(r"pass|pwd|token|secret|key|auth|credential|signature", re.I)
@@ -30,15 +31,13 @@ def redact_url(url: str) -> str:
         # Not a URL as written ("redis:/user:pw@host", a typo an error quotes): all
         # before its last '@' may be a secret.
         return f"{HIDDEN}@{url.rpartition('@')[2]}" if "@" in url else url
-    # The authority ends at the first '/', '?' or '#': an '@' past it (a query's
-    # `next=a@b`) is no userinfo. redis-cluster's parser takes all up to '/', so a
-    # password holding '?' or '#' counts there.
-    cut = len(rest)
-    stops = "/" if scheme.lower() == "redis-cluster" else "/?#"
-    for stop in stops:
-        i = rest.find(stop)
-        if i != -1:
-            cut = min(cut, i)
+    if scheme.lower() in _STORE_SCHEMES:
+        # A store's URL has no '@' past its credentials (its path is a db number), and a
+        # password may hold '/', '?' or '#' (base64 ones do): all up to its last '@'.
+        cut = _end_of_authority(rest, rest.rfind("@") + 1)
+    else:
+        # Elsewhere an '@' past the authority (a path's, a query's `next=a@b`) is none.
+        cut = _end_of_authority(rest, 0)
     netloc, tail = rest[:cut], rest[cut:]
     # rpartition: a password may hold '@' when its client does not insist on %40.
     userinfo, at, hosts = netloc.rpartition("@")
@@ -46,6 +45,13 @@ def redact_url(url: str) -> str:
         user, colon, _password = userinfo.partition(":")
         netloc = f"{user}:{HIDDEN}@{hosts}" if colon else f"{HIDDEN}@{hosts}"
     return f"{scheme}://{netloc}{_redact_query(tail)}"
+
+
+def _end_of_authority(rest: str, start: int) -> int:
+    """Where the authority ends: at the first '/', '?' or '#' from `start` on (past
+    the credentials, when they may hold those)."""
+    ends = [i for i in (rest.find(c, start) for c in "/?#") if i != -1]
+    return min(ends, default=len(rest))
 
 
 def _redact_query(tail: str) -> str:
@@ -68,8 +74,11 @@ def redact_text(text: str, url: str = "") -> str:
     if shown != url:
         text = text.replace(url, shown)
         password = url.partition("://")[2].rpartition("@")[0].partition(":")[2]
-        if len(password) >= 4:  # its raw copies too (a short one would hide words)
-            text = text.replace(password, HIDDEN)
+        # Its raw copies too, and its pieces, as a client that cut the URL at a '/', '?'
+        # or '#' in it quotes them (a short piece would hide words).
+        for piece in sorted({password, *re.split(r"[/?#]", password)}, key=len, reverse=True):
+            if len(piece) >= 4:
+                text = text.replace(piece, HIDDEN)
     return _USERINFO.sub(_hide_userinfo, text)
 
 

@@ -10,6 +10,7 @@ included, so every line of the stream is one JSON object.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 from typing import Any
@@ -81,19 +82,33 @@ class _OneLineAtATime:
     """A stream whose writes never interleave: structlog's lines and the stdlib
     handler's each came whole, but through two locks, and sys.stderr (a TextIOWrapper)
     is not thread-safe: to a pipe (a container's log), a library's line landed inside
-    one of ours of 20 KB, two JSON objects on one line (64 of 6000 in a test)."""
+    one of ours of 20 KB, two JSON objects on one line (64 of 6000 in a test).
+
+    Reentrant: a signal handler or a __del__ that logs while its thread is inside a
+    write must not wait on itself. Remade in a forked child, where a thread that held
+    it at the fork no longer exists to let it go."""
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
-        self._lock = threading.Lock()
 
     def write(self, text: str) -> int:
-        with self._lock:
+        with _write_lock:
             return self._stream.write(text)
 
     def flush(self) -> None:
-        with self._lock:
+        with _write_lock:
             self._stream.flush()
+
+
+_write_lock = threading.RLock()
+
+
+def _new_write_lock() -> None:
+    global _write_lock
+    _write_lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_new_write_lock)
 
 
 def _route_stdlib(level: int, shared: list[Any], renderer: Any, stream: Any) -> None:

@@ -160,7 +160,9 @@ class NixlChannel:
                 name = await asyncio.shield(hello)
         except TimeoutError:  # a Hello begun with a longer deadline than ours
             raise PeerError(
-                f"{endpoint} did not answer Hello within {timeout_s:.3f}s", conn=conn
+                f"{endpoint} did not answer Hello within {timeout_s:.3f}s",
+                conn=conn,
+                timed_out=True,
             ) from None
         unnamed_ok = want == "" and (not name or known is None or name == known)
         if want is not None and name != want and not unnamed_ok:

@@ -33,18 +33,29 @@ class PeerError(RuntimeError):
     the peer's ErrorReply code when it said no (None otherwise)."""
 
     def __init__(
-        self, message: str, code: int | None = None, conn: PeerConnection | None = None
+        self,
+        message: str,
+        code: int | None = None,
+        conn: PeerConnection | None = None,
+        *,
+        timed_out: bool = False,
     ) -> None:
         super().__init__(message)
         self.code = code
         # The connection that failed, so that dropping it after the failure does not
         # drop a fresh one another request has opened to the same peer since.
         self.conn = conn
+        # The peer did not answer on conn within a request's own deadline (not: the
+        # connection was closed under it, a local fault, a refusal).
+        self.timed_out = timed_out
 
 
 class StuckTransfer(PeerError):
     """A transfer the transport would not release: its buffers (ours, and the peer's it
     writes into) may still be written, so they stay referenced (a leak, not wrong KV)."""
+
+
+_serials = itertools.count(1)
 
 
 class PeerConnection:
@@ -56,6 +67,7 @@ class PeerConnection:
         max_frame: int = -1,
     ) -> None:
         self.endpoint = endpoint
+        self.serial = next(_serials)  # tells connections to one endpoint apart (not id())
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.linger = 0
         # A peer's frame larger than any valid one drops the connection instead of
@@ -106,7 +118,9 @@ class PeerConnection:
                     await self._sock.send(proto.encode(msg))
                 reply, payloads = await fut
         except TimeoutError:
-            late = PeerError(f"{self.endpoint} did not answer within {timeout_s:.3f}s", conn=self)
+            late = PeerError(
+                f"{self.endpoint} did not answer within {timeout_s:.3f}s", conn=self, timed_out=True
+            )
             self._break(late)
             raise late from None
         except zmq.ZMQError as exc:

@@ -281,6 +281,11 @@ class StorageManager:
         `deadline` passed) is counted here. A get cancelled before its deadline (a
         prefetch released, the engine closing) was abandoned, not missed."""
         for tier in self.lower:
+            if deadline is not None and time.monotonic() >= deadline:
+                # A tier above that swallowed the cancel and answered late: the tiers
+                # below get no time of their own.
+                self._count_miss(tier, MissReason.TIMEOUT)
+                return None
             try:
                 async with self._io_slots:
                     obj = await tier.aget(key, self._allocators[id(tier)])

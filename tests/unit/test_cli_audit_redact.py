@@ -24,9 +24,13 @@ from kvmesh.common.redact import redact_text, redact_url, redact_values
         # An '@' past the authority is no userinfo.
         ("http://h?next=a@b", "http://h?next=a@b"),
         ("http://dec:8000?tag=a@b", "http://dec:8000?tag=a@b"),
-        ("redis://cache:6379#ops@team", "redis://cache:6379#ops@team"),
-        # ...except for redis-cluster, whose parser takes all up to '/'.
+        # ...except in a store's URL, whose path is a db number: a password may hold
+        # '/', '?' or '#' (base64 ones do), and over-hiding is the safe side.
         ("redis-cluster://u:p?ss@h:1,h2:2", "redis-cluster://u:***@h:1,h2:2"),
+        ("redis://:Zm9v/YmFy+cXV4@cache:6379/0", "redis://:***@cache:6379/0"),
+        ("redis://user:p#ss@host/0", "redis://user:***@host/0"),
+        ("kvmesh://:Zm9v/YmFy@cache:7700", "kvmesh://:***@cache:7700"),
+        ("redis://cache:6379#ops@team", "redis://cache:***@team"),
         # A typo'd URL an error quotes: all before its last '@' is hidden.
         ("redis:/alice:s3cret@cache:6379", "***@cache:6379"),
         ("", ""),
@@ -56,3 +60,11 @@ def test_redact_text_hides_rewritten_and_cut_copies() -> None:
     assert "tcp://alice:***@127.0.0.1:7700" in redact_text(said, url)
     long_url = "s3://AKIA:SECRETKEY@bucket/" + "p" * 300
     assert "SECRET" not in redact_text(f"ValueError: no port in {long_url}", long_url)[:300]
+
+
+def test_redact_text_hides_the_pieces_of_a_password_a_client_cut() -> None:
+    """redis-py cut `redis://:Zm9v/YmFy+cXV4@...` at the '/' and quoted what it took
+    for a port."""
+    url = "redis://:Zm9v/YmFy+cXV4@cache.internal:6379/0"
+    said = "ValueError: Port could not be cast to integer value as 'Zm9v'"
+    assert "Zm9v" not in redact_text(said, url)

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 
 INTERLEAVE = textwrap.dedent(
     """
@@ -75,3 +76,68 @@ def test_in_a_host_process_the_root_logger_stays_the_hosts() -> None:
     assert not any("below the host's level" in line for line in lines), lines
     ours = [json.loads(line) for line in lines if line.startswith("{")]
     assert [(o["event"], o["service"]) for o in ours] == [("ours", "kvmesh-vllm")]
+
+
+SIGNALLED = textwrap.dedent(
+    """
+    import logging, signal
+    from kvmesh.common.observability import configure_logging, get_logger
+
+    configure_logging("info", json=True, service="t")
+    signal.signal(signal.SIGALRM, lambda *_: logging.getLogger("sig").warning("alarm"))
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    ours = get_logger("ours")
+    for _ in range(200):
+        ours.info("ours", pad="x" * 20_000)
+    """
+)
+
+
+def test_a_signal_handler_that_logs_inside_a_write_does_not_hang() -> None:
+    """The alarm comes while the process is blocked writing to a full pipe: a plain
+    lock around the writes made its handler's line wait on its own thread, forever."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SIGNALLED], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        time.sleep(1.0)  # not read yet: the pipe is full when the alarm comes
+        err = proc.communicate(timeout=30)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0
+    assert b'"alarm"' in err
+
+
+FORKED = textwrap.dedent(
+    """
+    import logging, os, threading, time
+    from kvmesh.common.observability import configure_logging
+
+    configure_logging("info", json=True, service="t")
+    lib = logging.getLogger("lib")
+    stop = False
+
+    def chatter():
+        while not stop:
+            lib.info("x" * 4000)
+
+    threading.Thread(target=chatter, daemon=True).start()
+    for _ in range(20):
+        time.sleep(0.01)
+        pid = os.fork()
+        if pid == 0:
+            lib.warning("from the child")
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+    stop = True
+    """
+)
+
+
+def test_a_forked_child_logs_though_a_thread_held_the_lock_at_the_fork() -> None:
+    """The lock is remade in the child: one held at the fork by a thread the child does
+    not have would never be let go (20 of 20 children hung in a review's run)."""
+    done = subprocess.run(
+        [sys.executable, "-c", FORKED], capture_output=True, timeout=60, check=True
+    )
+    assert done.stderr.count(b"from the child") == 20

@@ -41,7 +41,6 @@ from kvmesh.common.memory import MemoryFormat, MemoryObj
 from kvmesh.common.observability import Metrics, get_logger
 from kvmesh.common.protocol.p2p import ChunkMeta
 from kvmesh.common.transport.channel import Landed, PeerError, TransferChannel
-from kvmesh.common.transport.channel_nixl import AgentChanged
 from kvmesh.services.worker.loop_thread import LoopThread
 from kvmesh.services.worker.peer_locator import PeerLocator
 from kvmesh.services.worker.tiers.base import Allocator, drop_late, without_wait
@@ -55,7 +54,7 @@ WHERE_CAPACITY = 1 << 16  # keys whose peer we remember between lookup and retri
 # so a dead peer costs one read's deadline instead of one per request until then; short
 # enough that a peer back from a pause (or restarted behind its endpoint) is soon read.
 PEER_DOWN_S = 5.0
-PEER_DOWN_AFTER = 2  # reads in a row its connection got no reply during
+PEER_DOWN_AFTER = 2  # connections in a row silent through a read's deadline
 _Waiter = tuple[ChunkKey, "asyncio.Future[MemoryObj | None]", Allocator]
 # Why chunks of a read did not arrive, filled in by `fetch` for its caller.
 Reasons = dict[ChunkKey, MissReason]
@@ -86,8 +85,9 @@ class P2PTier:
         # Endpoint -> monotonic time until which it is not asked (it did not answer).
         # Written on the loop, read from the scheduler's thread too (single dict ops).
         self._down: dict[str, float] = {}
-        # Endpoint -> reads in a row that got no reply at all (loop only).
-        self._silent: dict[str, int] = {}
+        # Endpoint -> (connections in a row silent through a read's deadline, the last
+        # of them) (loop only).
+        self._silent: dict[str, tuple[int, int]] = {}
         self._closed = False
 
     # -- lookups ------------------------------------------------------------------------
@@ -182,16 +182,12 @@ class P2PTier:
             reasons.update(dict.fromkeys(keys, reason))
             for key in keys:
                 self._where.pop(key, None)
-            # Only a peer that gave no answer: one that refused (an ErrorReply), was
-            # found restarted behind its endpoint (AgentChanged), or replied during the
-            # read (a NIXL transfer late after its pin reply) is alive.
-            silent = (
-                exc.code is None
-                and not isinstance(exc, AgentChanged)
-                and exc.conn is not None
-                and exc.conn.last_reply < started
-            )
-            self._count_silent(endpoint, silent)
+            # Silence: its connection got no reply at all within a request's own
+            # deadline. Not: a refusal, a restart found (AgentChanged), a reply during
+            # the read (a NIXL transfer late after its pin reply), a connection closed
+            # under the read (another request's failure), a local fault.
+            silent = exc.timed_out and exc.conn is not None and exc.conn.last_reply < started
+            self._count_silent(endpoint, exc.conn.serial if silent and exc.conn else 0)
         except Exception:
             log.exception("p2p read failed", peer=endpoint)
             self.stats.gets["error"].inc(len(waiters))
@@ -218,17 +214,23 @@ class P2PTier:
         until = self._down.get(endpoint)
         return until is not None and time.monotonic() < until
 
-    def _count_silent(self, endpoint: str, silent: bool) -> None:
-        if not silent:
+    def _count_silent(self, endpoint: str, conn_serial: int) -> None:
+        """A read of endpoint failed; conn_serial: the connection that stayed silent
+        through its deadline (0: not silence). One strike a connection: the reads
+        pending on it all fail together at one deadline, one outage, not several."""
+        if not conn_serial:
             self._silent.pop(endpoint, None)
             return
-        n = self._silent.pop(endpoint, 0) + 1
-        if n >= PEER_DOWN_AFTER:
+        n, struck = self._silent.pop(endpoint, (0, 0))
+        if struck == conn_serial:
+            self._silent[endpoint] = (n, struck)
+            return
+        if n + 1 >= PEER_DOWN_AFTER:
             self._mark_down(endpoint)
             return
         if len(self._silent) >= WHERE_CAPACITY:  # peers that failed once, never read again
             self._silent.clear()
-        self._silent[endpoint] = n
+        self._silent[endpoint] = (n + 1, conn_serial)
 
     def _mark_down(self, endpoint: str) -> None:
         now = time.monotonic()

@@ -182,3 +182,34 @@ def test_no_lookup_threads_are_made_after_close() -> None:
     finally:
         loop.stop()
         pool.close()
+
+
+class SwallowingTier:
+    """A tier whose get swallows the cancel and answers None (a plugin may)."""
+
+    name = "swallow"
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.misses = TierMisses(self.name, metrics)
+
+    async def aget(self, key, allocator):
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            return None
+
+    def close(self) -> None:
+        return None
+
+
+def test_a_tier_that_swallows_the_cancel_gives_the_tiers_below_no_time(parts) -> None:
+    """The prefetch's timer cancels once: past it, the next tier was asked with no
+    deadline at all (3.2 s for a 0.2 s prefetch in a review's run)."""
+    l1, metrics, loop = parts
+    below = StallingTier(metrics)
+    sm = StorageManager(l1, [SwallowingTier(metrics), below], loop, KVEventBuffer())
+    t0 = time.monotonic()
+    objs, _ = loop.run(sm.aget_prefix(KEYS, 0.2), 10)
+    assert objs == [] and time.monotonic() - t0 < 2.0
+    assert below.started == 0
+    assert counts(metrics, "stall") == {"timeout": 3}
