@@ -31,13 +31,13 @@ def redact_url(url: str) -> str:
         # Not a URL as written ("redis:/user:pw@host", a typo an error quotes): all
         # before its last '@' may be a secret.
         return f"{HIDDEN}@{url.rpartition('@')[2]}" if "@" in url else url
-    if scheme.lower() in _STORE_SCHEMES:
-        # A store's URL has no '@' past its credentials (its path is a db number), and a
-        # password may hold '/', '?' or '#' (base64 ones do): all up to its last '@'.
-        cut = _end_of_authority(rest, rest.rfind("@") + 1)
-    else:
-        # Elsewhere an '@' past the authority (a path's, a query's `next=a@b`) is none.
-        cut = _end_of_authority(rest, 0)
+    # An '@' past the authority (a path's, a query's `next=a@b`) is no userinfo's...
+    cut = _end_of_authority(rest, 0)
+    if scheme.lower() in _STORE_SCHEMES and rest.rfind("@") > cut:
+        # ...but in a store's URL it may be: a password may hold '/', '?' or '#' (base64
+        # ones do), or sit in the query with an '@' in it. Which one it is cannot be
+        # told apart, so all of it is hidden.
+        return f"{scheme}://{HIDDEN}"
     netloc, tail = rest[:cut], rest[cut:]
     # rpartition: a password may hold '@' when its client does not insist on %40.
     userinfo, at, hosts = netloc.rpartition("@")
@@ -48,8 +48,7 @@ def redact_url(url: str) -> str:
 
 
 def _end_of_authority(rest: str, start: int) -> int:
-    """Where the authority ends: at the first '/', '?' or '#' from `start` on (past
-    the credentials, when they may hold those)."""
+    """Where the authority ends: at the first '/', '?' or '#' from `start` on."""
     ends = [i for i in (rest.find(c, start) for c in "/?#") if i != -1]
     return min(ends, default=len(rest))
 

@@ -64,7 +64,7 @@ def configure_logging(
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.WriteLoggerFactory(file=stream),
+        logger_factory=lambda *_args: _LineLogger(stream),
         cache_logger_on_first_use=False,
     )
     if libraries:
@@ -98,6 +98,23 @@ class _OneLineAtATime:
     def flush(self) -> None:
         with _write_lock:
             self._stream.flush()
+
+
+class _LineLogger:
+    """structlog's logger: one write a line under _write_lock alone (structlog's own
+    WriteLogger takes a plain lock of its own first, neither reentrant nor remade
+    after fork: the hangs _OneLineAtATime avoids came back through it)."""
+
+    def __init__(self, stream: _OneLineAtATime) -> None:
+        self._stream = stream
+
+    def msg(self, message: str) -> None:
+        with _write_lock:
+            self._stream.write(message + "\n")
+            self._stream.flush()
+
+    log = debug = info = warn = warning = msg
+    fatal = failure = err = error = critical = exception = msg
 
 
 _write_lock = threading.RLock()

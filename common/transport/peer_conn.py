@@ -127,6 +127,13 @@ class PeerConnection:
             failed = PeerError(f"send to {self.endpoint} failed: {exc}", conn=self)
             self._break(failed)
             raise failed from None
+        except asyncio.CancelledError:
+            # zmq cancels a send still blocked (no pipe to a dead peer) when the socket
+            # is closed under it: a failure of this connection, not our caller's cancel.
+            task = asyncio.current_task()
+            if self.broken and task is not None and task.cancelling() == 0:
+                raise PeerError(f"connection to {self.endpoint} closed", conn=self) from None
+            raise
         finally:
             self._pending.pop(msg.rid, None)
             if fut.done() and not fut.cancelled():

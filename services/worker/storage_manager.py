@@ -299,6 +299,11 @@ class StorageManager:
                 self._count_miss(tier, MissReason.TIMEOUT if timed_out else MissReason.ERROR)
                 continue
             if obj is None:
+                if deadline is not None and time.monotonic() >= deadline:
+                    # It swallowed the cancel at the deadline: its timeout, and the
+                    # tiers below get no time of their own.
+                    self._count_miss(tier, MissReason.TIMEOUT)
+                    return None
                 if id(tier) in self._counts_absent:
                     self._count_miss(tier, MissReason.NOT_STORED)
                 continue

@@ -84,9 +84,14 @@ SIGNALLED = textwrap.dedent(
     from kvmesh.common.observability import configure_logging, get_logger
 
     configure_logging("info", json=True, service="t")
-    signal.signal(signal.SIGALRM, lambda *_: logging.getLogger("sig").warning("alarm"))
-    signal.setitimer(signal.ITIMER_REAL, 0.3)
     ours = get_logger("ours")
+
+    def on_alarm(*_):
+        logging.getLogger("sig").warning("alarm")
+        ours.warning("alarm too")
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
     for _ in range(200):
         ours.info("ours", pad="x" * 20_000)
     """
@@ -105,21 +110,22 @@ def test_a_signal_handler_that_logs_inside_a_write_does_not_hang() -> None:
     finally:
         proc.kill()
     assert proc.returncode == 0
-    assert b'"alarm"' in err
+    assert b'"alarm"' in err and b'"alarm too"' in err
 
 
 FORKED = textwrap.dedent(
     """
     import logging, os, threading, time
-    from kvmesh.common.observability import configure_logging
+    from kvmesh.common.observability import configure_logging, get_logger
 
     configure_logging("info", json=True, service="t")
-    lib = logging.getLogger("lib")
+    lib, ours = logging.getLogger("lib"), get_logger("ours")
     stop = False
 
     def chatter():
         while not stop:
             lib.info("x" * 4000)
+            ours.info("y" * 4000)
 
     threading.Thread(target=chatter, daemon=True).start()
     for _ in range(20):
@@ -127,6 +133,7 @@ FORKED = textwrap.dedent(
         pid = os.fork()
         if pid == 0:
             lib.warning("from the child")
+            ours.warning("ours from the child")
             os._exit(0)
         _, status = os.waitpid(pid, 0)
     stop = True
@@ -140,4 +147,5 @@ def test_a_forked_child_logs_though_a_thread_held_the_lock_at_the_fork() -> None
     done = subprocess.run(
         [sys.executable, "-c", FORKED], capture_output=True, timeout=60, check=True
     )
-    assert done.stderr.count(b"from the child") == 20
+    assert done.stderr.count(b'"from the child"') == 20
+    assert done.stderr.count(b'"ours from the child"') == 20

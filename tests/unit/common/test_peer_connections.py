@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from kvmesh.common.transport.peer_conn import PeerConnections
+from kvmesh.common.protocol import p2p as proto
+from kvmesh.common.transport.peer_conn import PeerConnections, PeerError
 
 A, B = "tcp://127.0.0.1:1", "tcp://127.0.0.1:2"
 
@@ -32,3 +33,34 @@ def test_a_dropped_peer_never_asked_for_again_is_let_go() -> None:
 
 def test_a_dropped_peer_dialled_again_is_not_let_go() -> None:
     assert sweep_after_drop(A) == []
+
+
+def test_a_send_cut_by_its_connection_closing_is_a_peer_error() -> None:
+    """A dead peer's connection has no pipe, so sends wait; one waiting when the broken
+    connection was replaced (closed) was cancelled by zmq, and the CancelledError
+    escaped the P2P tier's handling (no log, no count, the wrong miss reason)."""
+
+    async def main() -> tuple[PeerError, BaseException]:
+        conns = PeerConnections()
+        a = conns.get(A)
+
+        async def ask(timeout_s: float) -> BaseException:
+            hello = proto.Hello(a.next_rid(), proto.PROTOCOL_VERSION, "x")
+            try:
+                await a.request(hello, timeout_s)
+            except (PeerError, asyncio.CancelledError) as exc:
+                return exc
+            raise AssertionError("a dead address answered")
+
+        first = asyncio.ensure_future(ask(0.3))
+        second = asyncio.ensure_future(ask(5.0))
+        late = await first
+        assert conns.get(A) is not a  # the broken one is replaced, and closed
+        cut = await asyncio.wait_for(second, 5)
+        conns.close()
+        assert isinstance(late, PeerError)
+        return late, cut
+
+    late, cut = asyncio.run(main())
+    assert late.timed_out
+    assert isinstance(cut, PeerError) and not cut.timed_out

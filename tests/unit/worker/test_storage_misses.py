@@ -212,4 +212,5 @@ def test_a_tier_that_swallows_the_cancel_gives_the_tiers_below_no_time(parts) ->
     objs, _ = loop.run(sm.aget_prefix(KEYS, 0.2), 10)
     assert objs == [] and time.monotonic() - t0 < 2.0
     assert below.started == 0
-    assert counts(metrics, "stall") == {"timeout": 3}
+    assert counts(metrics, "swallow") == {"timeout": 3}
+    assert counts(metrics, "stall") == {}
