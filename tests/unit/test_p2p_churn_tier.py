@@ -5,8 +5,10 @@ controller goes on naming a dead worker until it misses its heartbeats."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import zmq
@@ -83,15 +85,17 @@ def test_a_peer_that_did_not_answer_is_left_alone_for_a_while_then_asked_again(
         pool.close()
 
 
-class SlowOnce(threading.Thread):
-    """A ZMQ peer that answers every read with no chunks; the first after 0.6 s."""
+class SlowPeer(threading.Thread):
+    """A ZMQ peer that answers every read with no chunks: the first after `first_s`,
+    the others after `each_s`."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, first_s: float, each_s: float = 0.0) -> None:
         super().__init__(daemon=True)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.bind(f"tcp://127.0.0.1:{port}")
-        self.n = 0
+        self.delays = [first_s]
+        self.each_s = each_s
         self.stop = False
 
     def run(self) -> None:
@@ -100,22 +104,33 @@ class SlowOnce(threading.Thread):
                 continue
             frames = self.sock.recv_multipart()
             msg = proto.decode_request(frames[1:])
-            self.n += 1
-            if self.n == 1:
-                time.sleep(0.6)
+            time.sleep(self.delays.pop() if self.delays else self.each_s)
             self.sock.send_multipart([frames[0], proto.encode(proto.ReadChunksReply(msg.rid, []))])
         self.ctx.destroy(linger=0)
+
+
+@contextlib.contextmanager
+def tier_reading_from(
+    loop: LoopThread, first_s: float, each_s: float = 0.0
+) -> Iterator[tuple[P2PTier, HostTier, str]]:
+    """A SlowPeer, and a tier (with its L1) that every key locates there."""
+    port = free_port()
+    peer = SlowPeer(port, first_s, each_s)
+    peer.start()
+    ep = f"tcp://127.0.0.1:{port}"
+    t, pool, l1 = tier_at(ep, loop)
+    try:
+        yield t, l1, ep
+    finally:
+        peer.stop = True
+        t.close()
+        pool.close()
 
 
 def test_a_slow_peer_that_answers_the_next_read_is_never_left_alone(loop) -> None:
     """One read past the deadline (a large prefix, a busy peer) paused a live peer for
     PEER_DOWN_S, every hit of it lost though it answered the next read at once."""
-    port = free_port()
-    peer = SlowOnce(port)
-    peer.start()
-    ep = f"tcp://127.0.0.1:{port}"
-    t, pool, l1 = tier_at(ep, loop)
-    try:
+    with tier_reading_from(loop, first_s=0.6) as (t, l1, _):
         assert t.batched_contains(KEYS[:2]) == 2
         assert loop.run(t.aget(KEYS[0], l1), 5) is None  # past its deadline
         time.sleep(0.4)  # the peer is quick from now on
@@ -125,84 +140,42 @@ def test_a_slow_peer_that_answers_the_next_read_is_never_left_alone(loop) -> Non
         for _ in range(3):
             assert t.batched_contains(KEYS) == 4
         assert count(t, "p2p_lookups_total", result="down") == 0
-    finally:
-        peer.stop = True
-        t.close()
-        pool.close()
 
 
 def test_reads_failing_together_at_one_deadline_are_one_silence(loop) -> None:
     """Two reads pending on one connection fail together when the first one's
     deadline passes: one stall of a live peer counted twice paused it for
     PEER_DOWN_S."""
-    port = free_port()
-    peer = SlowOnce(port)
-    peer.start()
-    t, pool, l1 = tier_at(f"tcp://127.0.0.1:{port}", loop)
 
-    async def two_requests() -> list:
+    async def two_requests(t: P2PTier, l1: HostTier) -> list:
         first = asyncio.ensure_future(t.aget(KEYS[0], l1))
         await asyncio.sleep(0.05)  # another request's prefix, a later loop turn
         second = asyncio.ensure_future(t.aget(KEYS[1], l1))
         return await asyncio.gather(first, second)
 
-    try:
+    with tier_reading_from(loop, first_s=0.6) as (t, l1, _):
         assert t.batched_contains(KEYS) == 4
-        assert loop.run(two_requests(), 5) == [None, None]
+        assert loop.run(two_requests(t, l1), 5) == [None, None]
         assert count(t, "p2p_gets_total", result="error") == 2
         time.sleep(0.4)  # the peer is quick from now on
         assert t.batched_contains(KEYS) == 4
         assert count(t, "p2p_lookups_total", result="down") == 0
-    finally:
-        peer.stop = True
-        t.close()
-        pool.close()
-
-
-class Slowish(threading.Thread):
-    """A live peer: answers every read (with no chunks) after 0.15 s."""
-
-    def __init__(self, port: int) -> None:
-        super().__init__(daemon=True)
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.bind(f"tcp://127.0.0.1:{port}")
-        self.stop = False
-
-    def run(self) -> None:
-        while not self.stop:
-            if not self.sock.poll(50):
-                continue
-            frames = self.sock.recv_multipart()
-            msg = proto.decode_request(frames[1:])
-            time.sleep(0.15)
-            self.sock.send_multipart([frames[0], proto.encode(proto.ReadChunksReply(msg.rid, []))])
-        self.ctx.destroy(linger=0)
 
 
 def test_a_connection_closed_under_a_read_is_no_silence(loop) -> None:
     """A connection dropped for another request's failure (a NIXL transfer late after
     its pin reply, a PD push past its deadline) fails the reads pending on it: that is
     not the peer's silence, and twice of it paused a live peer."""
-    port = free_port()
-    peer = Slowish(port)
-    peer.start()
-    ep = f"tcp://127.0.0.1:{port}"
-    t, pool, l1 = tier_at(ep, loop)
 
-    async def read_cut_short(key: ChunkKey) -> object:
+    async def read_cut_short(t: P2PTier, l1: HostTier, ep: str, key: ChunkKey) -> object:
         got = asyncio.ensure_future(t.aget(key, l1))
         await asyncio.sleep(0.05)
         t.channel._conns.drop(ep)  # as NixlChannel._forget does after such a failure
         return await got
 
-    try:
+    with tier_reading_from(loop, first_s=0.15, each_s=0.15) as (t, l1, ep):
         for key in KEYS[:2]:
             assert t.batched_contains([key]) == 1
-            assert loop.run(read_cut_short(key), 5) is None
+            assert loop.run(read_cut_short(t, l1, ep, key), 5) is None
         assert t.batched_contains(KEYS) == 4
         assert count(t, "p2p_lookups_total", result="down") == 0
-    finally:
-        peer.stop = True
-        t.close()
-        pool.close()
