@@ -16,8 +16,9 @@ says which plugin to fix, rather than later with a bare ImportError.
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
@@ -81,3 +82,23 @@ def build(group: str, spec: str, *args: Any, **kwargs: Any) -> Any:
         raise PluginError(
             f"{group} plugin {spec!r} failed to start: {type(exc).__name__}: {exc}"
         ) from exc
+
+
+def wrong_kinds(
+    obj: Any, awaited: Iterable[str], called: Iterable[str], optional: Iterable[str] = ()
+) -> list[str]:
+    """What a plugin's object has of the wrong kind: a method its host awaits that is no
+    `async def`, or one it calls directly that is. A host that awaits a plain function
+    (or adds up a coroutine) fails at every request instead of at startup. Methods
+    in `optional` may be missing."""
+    skip = set(optional)
+    wrong = [
+        f"{m} is not async def"
+        for m in awaited
+        if not (m in skip and getattr(obj, m, None) is None)
+        and not inspect.iscoroutinefunction(getattr(obj, m, None))
+    ]
+    wrong += [
+        f"{m} is async def" for m in called if inspect.iscoroutinefunction(getattr(obj, m, None))
+    ]
+    return wrong

@@ -281,25 +281,22 @@ class StorageManager:
         `deadline` passed) is counted here. A get cancelled before its deadline (a
         prefetch released, the engine closing) was abandoned, not missed."""
         for tier in self.lower:
-            if deadline is not None and time.monotonic() >= deadline:
-                # A tier above that swallowed the cancel and answered late: the tiers
-                # below get no time of their own.
-                self._count_miss(tier, MissReason.TIMEOUT)
-                return None
             try:
                 async with self._io_slots:
                     obj = await tier.aget(key, self._allocators[id(tier)])
             except asyncio.CancelledError:
-                if deadline is not None and time.monotonic() >= deadline:
+                if _past(deadline):
                     self._count_miss(tier, MissReason.TIMEOUT)
                 raise
             except Exception as exc:
                 log.warning("tier get failed", tier=tier.name, error=repr(exc))
                 timed_out = isinstance(exc, TimeoutError)
                 self._count_miss(tier, MissReason.TIMEOUT if timed_out else MissReason.ERROR)
+                if _past(deadline):
+                    return None  # it answered the cancel late: the tiers below get no time
                 continue
             if obj is None:
-                if deadline is not None and time.monotonic() >= deadline:
+                if _past(deadline):
                     # It swallowed the cancel at the deadline: its timeout, and the
                     # tiers below get no time of their own.
                     self._count_miss(tier, MissReason.TIMEOUT)
@@ -339,9 +336,7 @@ class StorageManager:
         return 0 <= obj.data_ptr - self._l1_base < self._l1_bytes
 
     def _count_miss(self, tier: Tier, reason: MissReason) -> None:
-        misses = self._misses.get(id(tier))
-        if misses is not None:
-            misses.inc(reason)
+        self._misses[id(tier)].inc(reason)
 
     def _promote(self, key: ChunkKey, obj: MemoryObj) -> None:
         obj.ref_up()  # L1's own reference; the caller keeps the one aget gave
@@ -395,6 +390,10 @@ class StorageManager:
         for tier in self.lower:
             tier.close()
         self.l1.close()
+
+
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() >= deadline
 
 
 def _checked_count(m: object, asked: int) -> int | None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from kvmesh.common.config import TierPluginConfig
 from kvmesh.common.observability import Metrics
-from kvmesh.common.plugins import TIERS_GROUP, PluginError, build
+from kvmesh.common.plugins import TIERS_GROUP, PluginError, build, wrong_kinds
 from kvmesh.services.worker.loop_thread import LoopThread
 from kvmesh.services.worker.tiers.base import Tier
 
@@ -41,28 +41,10 @@ class TierContext:
 def make_plugin_tier(cfg: TierPluginConfig, context: TierContext) -> Tier:
     """Build cfg's tier; PluginError (naming the plugin) if it fails or is not a Tier."""
     tier = build(TIERS_GROUP, cfg.plugin, context)
-    if not isinstance(tier, Tier):
-        missing = [
-            m for m in ("name", "get", "aget", "contains", "submit_put") if not hasattr(tier, m)
-        ]
-        _close_quietly(tier)
-        raise PluginError(
-            f"{TIERS_GROUP} plugin {cfg.plugin!r} returned a {type(tier).__name__}, "
-            f"which is not a Tier (missing: {', '.join(missing) or 'some methods'})"
-        )
-    if tier.name != context.name:
-        _close_quietly(tier)
-        raise PluginError(
-            f"{TIERS_GROUP} plugin {cfg.plugin!r} named its tier {tier.name!r}; "
-            f"it must use context.name ({context.name!r})"
-        )
-    wrong = _wrong_kinds(tier)
-    if wrong:
-        _close_quietly(tier)
-        raise PluginError(
-            f"{TIERS_GROUP} plugin {cfg.plugin!r} returned a {type(tier).__name__} that "
-            f"breaks the Tier protocol: {'; '.join(wrong)}"
-        )
+    problem = _problem(tier, context.name)
+    if problem:
+        _close_quietly(tier)  # built all the same: it may hold threads or files
+        raise PluginError(f"{TIERS_GROUP} plugin {cfg.plugin!r} {problem}")
     return tier
 
 
@@ -75,17 +57,26 @@ _SYNC_METHODS = (
 )  # fmt: skip
 
 
-def _wrong_kinds(tier: Tier) -> list[str]:
-    wrong = [] if inspect.iscoroutinefunction(tier.aget) else ["aget is not async def"]
-    for m in _SYNC_METHODS:
-        if inspect.iscoroutinefunction(getattr(tier, m)):
-            wrong.append(f"{m} is async def")
-    return wrong
+def _problem(tier: object, name: str) -> str:
+    """Why tier cannot serve as the tier named name ("" if it can)."""
+    kind = type(tier).__name__
+    if not isinstance(tier, Tier):
+        missing = [
+            m for m in ("name", "get", "aget", "contains", "submit_put") if not hasattr(tier, m)
+        ]
+        listed = ", ".join(missing) or "some methods"
+        return f"returned a {kind}, which is not a Tier (missing: {listed})"
+    if tier.name != name:
+        return f"named its tier {tier.name!r}; it must use context.name ({name!r})"
+    wrong = wrong_kinds(tier, ("aget",), _SYNC_METHODS)
+    if wrong:
+        return f"returned a {kind} that breaks the Tier protocol: {'; '.join(wrong)}"
+    return ""
 
 
 def _close_quietly(tier: object) -> None:
-    """A refused tier was built all the same: let go of what it opened (threads,
-    files), since the engine that would close it is not going to exist."""
+    """Let go of what a refused tier opened: the engine that would close it is not
+    going to exist."""
     close = getattr(tier, "close", None)
     if callable(close) and not inspect.iscoroutinefunction(close):
         # The error worth reporting is the PluginError, not one from closing.

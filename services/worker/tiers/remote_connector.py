@@ -29,14 +29,13 @@ around them and treats any exception as a failed request (a miss); `ValueRefused
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvmesh.common.chunk_codec import ChunkHeader, Payload
 from kvmesh.common.keys import ChunkKey
-from kvmesh.common.plugins import CONNECTORS_GROUP, PluginError, build, installed
+from kvmesh.common.plugins import CONNECTORS_GROUP, PluginError, build, installed, wrong_kinds
 from kvmesh.common.redact import redact_url
 
 if TYPE_CHECKING:
@@ -161,13 +160,7 @@ def _plugin_connector(spec: str, url: str, key_prefix: str, timeout_s: float) ->
         )
     # The tier awaits these: a plain function there fails every request at run time
     # (the store flaps down and up) instead of stopping the engine at startup.
-    wrong = [
-        f"{m} is not async def"
-        for m in _CONNECTOR_ASYNC
-        if not _is_async(getattr(conn, m, None), m == "get_into")
-    ]
-    if inspect.iscoroutinefunction(conn.connected):
-        wrong.append("connected is async def")
+    wrong = wrong_kinds(conn, _CONNECTOR_ASYNC, ("connected",), optional=("get_into",))
     if wrong:
         raise PluginError(
             f"{CONNECTORS_GROUP} plugin {spec!r} returned a {type(conn).__name__} that "
@@ -179,10 +172,6 @@ def _plugin_connector(spec: str, url: str, key_prefix: str, timeout_s: float) ->
 _CONNECTOR_ASYNC = (
     "reconnect", "ping", "put", "get", "exists", "delete", "clear", "close", "get_into",
 )  # fmt: skip
-
-
-def _is_async(method: Any, optional: bool) -> bool:
-    return (method is None and optional) or inspect.iscoroutinefunction(method)
 
 
 def host_ports(netloc: str, default_port: int) -> list[tuple[str, int]]:
