@@ -127,6 +127,11 @@ class KeyNamespace(msgspec.Struct, frozen=True, kw_only=True, dict=True):
         msgspec.structs.force_setattr(self, "_digest", digest)
         msgspec.structs.force_setattr(self, "_ns_id", digest.hex())
 
+    def __copy__(self) -> KeyNamespace:
+        # msgspec's own copy copies the fields but not the id set in __post_init__,
+        # leaving a namespace whose key() raises. A frozen value is its own copy.
+        return self
+
     def _canonical_bytes(self) -> bytes:
         # An explicit encoding rather than msgpack: the id must not change if a
         # serialiser's choices do. rank < world_size, so both fit a u64.

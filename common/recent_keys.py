@@ -50,7 +50,9 @@ class RecentKeys(Generic[K]):
             return key in self._keys
 
     def __len__(self) -> int:
-        return len(self._keys)
+        # Under the lock: between an add and its eviction the dict holds one too many.
+        with self._lock:
+            return len(self._keys)
 
     def snapshot(self) -> list[K]:
         """The keys, oldest first (a copy)."""

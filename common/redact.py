@@ -22,10 +22,12 @@ _SECRET_PARAM = re.compile(r"pass|pwd|token|secret|key|auth|credential|signature
 _USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)([^\s/?#@'\"]*)@")
 
 
-def redact_url(url: str) -> str:
+def redact_url(url: str, *, malformed: bool = False) -> str:
     """url with the password of its userinfo (all of a userinfo without ':', which
     some clients take as a password or token) and the values of secret-looking query
-    parameters replaced by ***; url itself when it has neither."""
+    parameters replaced by ***; url itself when it has neither. malformed: url is
+    quoted because it does not parse, so an '@' past its authority may end a password
+    holding '/', '?' or '#' whatever the scheme (as for a store's URL always)."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         # Not a URL as written ("redis:/user:pw@host", a typo an error quotes): all
@@ -33,7 +35,7 @@ def redact_url(url: str) -> str:
         return f"{HIDDEN}@{url.rpartition('@')[2]}" if "@" in url else url
     # An '@' past the authority (a path's, a query's `next=a@b`) is no userinfo's...
     cut = _end_of_authority(rest, 0)
-    if scheme.lower() in _STORE_SCHEMES and rest.rfind("@") > cut:
+    if (malformed or scheme.lower() in _STORE_SCHEMES) and rest.rfind("@") > cut:
         # ...but in a store's URL it may be: a password may hold '/', '?' or '#' (base64
         # ones do), or sit in the query with an '@' in it. Which one it is cannot be
         # told apart, so all of it is hidden.

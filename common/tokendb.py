@@ -26,7 +26,8 @@ from __future__ import annotations
 import array
 import ctypes
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from itertools import repeat
 from typing import Protocol, TypeAlias, runtime_checkable
 
@@ -73,6 +74,11 @@ _LITTLE_ENDIAN = sys.byteorder == "little"
 _SMALL_SIGNED_DTYPES = (torch.int8, torch.int16, torch.int32)
 # Tensor dtypes the C helper reads in place, by the name it takes.
 _NATIVE_DTYPES = {torch.int64: "i64", torch.int32: "i32", torch.uint32: "u32"}
+# A tensor with no memory behind its ids (torch's ZeroTensor) has address 0: reading
+# there would crash the process.
+_NO_STORAGE = "token tensor has no allocated storage"
+# chain_sequence/chain_memory take chunk_size as a C ssize_t.
+_MAX_CHUNK_SIZE = sys.maxsize
 
 
 def native_chain_available() -> bool:
@@ -115,8 +121,9 @@ def _token_view(tokens: TokenInput) -> memoryview:
     """
     if isinstance(tokens, torch.Tensor):
         return _tensor_view(tokens)
-    if isinstance(tokens, str | bytes | bytearray | memoryview):
-        # array.array would read bytes as raw machine words, not as token ids.
+    if isinstance(tokens, str | bytes | bytearray | memoryview | AbstractSet | Mapping):
+        # array.array would read bytes as raw machine words, not as token ids; a set or
+        # a mapping has no token order (and a set no repeats) to hash.
         raise TypeError(f"tokens must be a sequence of ints, not {type(tokens).__name__}")
     try:
         encoded = array.array(_U32_CODE, tokens)
@@ -137,6 +144,12 @@ def _tensor_view(tokens: torch.Tensor) -> memoryview:
     n = tokens.numel()
     if n == 0:
         return memoryview(b"")
+    if tokens.is_neg():
+        # A negated view keeps the un-negated ids in memory, and a same-dtype .to() keeps
+        # the view: the memory read below would hash other ids than the tensor holds.
+        tokens = tokens.resolve_neg()
+    if tokens.data_ptr() == 0:
+        raise ValueError(_NO_STORAGE)
     if tokens.dtype == torch.uint32:
         as_i32 = tokens.view(torch.int32)
     elif tokens.dtype == torch.uint8:
@@ -219,8 +232,16 @@ class ChunkedTokenDatabase:
         save_unfull_chunk: bool = False,
         hash_algorithm: str = "xxh3_128",
     ) -> None:
-        if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        if (
+            not isinstance(chunk_size, int)
+            or isinstance(chunk_size, bool)
+            or not 1 <= chunk_size <= _MAX_CHUNK_SIZE
+        ):
+            # The bound is the C helper's: above it that path would raise on every
+            # prompt while the Python one hashed.
+            raise ValueError(
+                f"chunk_size must be an int in [1, {_MAX_CHUNK_SIZE}], got {chunk_size!r}"
+            )
         self.namespace = namespace
         self.chunk_size = chunk_size
         self.save_unfull_chunk = save_unfull_chunk
@@ -288,6 +309,8 @@ class ChunkedTokenDatabase:
                 and tokens.dim() == 1
                 and tokens.is_contiguous()
                 and (kind := _NATIVE_DTYPES.get(tokens.dtype)) is not None
+                # The helper reads raw memory, which a negated view does not hold.
+                and not tokens.is_neg()
             ):
                 n = tokens.numel()
                 args = (tokens.data_ptr(), n, kind, self.chunk_size, unfull, self._seed)

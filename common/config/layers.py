@@ -8,6 +8,7 @@ validation error found later can name where the bad value was written.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import yaml
 
 from kvmesh.common.config.errors import DEFAULT, ConfigError, ConfigIssue, Source
 from kvmesh.common.config.fields import is_struct, resolve_flat, struct_fields, type_at
+from kvmesh.common.config.sizes import ByteSize
 
 Key = tuple[str, ...]
 
@@ -108,9 +110,21 @@ def add_file(layers: Layers, path: str | os.PathLike[str]) -> None:
     except (OSError, UnicodeDecodeError) as exc:
         raise _file_error(shown, f"cannot read: {exc}") from None
 
-    loader = yaml.SafeLoader(text)
+    try:
+        # The loader checks the characters as it is built: a NUL or other control
+        # character (a binary file, a paste with escape codes) fails here already.
+        loader = yaml.SafeLoader(text)
+    except yaml.reader.ReaderError as exc:
+        line = f"line {text.count(chr(10), 0, exc.position) + 1}"
+        problem = f"character U+{exc.character:04X} is not allowed in YAML (a binary file?)"
+        raise _file_error(shown, problem, line) from None
+    lines: dict[Key, int] = {}
     try:
         node = loader.get_single_node()
+        if isinstance(node, yaml.MappingNode):
+            # Before construct_document, which rewrites a merge key (<<) in place into
+            # the keys it brings: walked after, they would read as written twice.
+            _key_lines(node, (), lines, layers, shown, set())
         data = loader.construct_document(node) if node is not None else None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
@@ -131,15 +145,35 @@ def add_file(layers: Layers, path: str | os.PathLike[str]) -> None:
             f"line {node.start_mark.line + 1}",
         )
 
-    lines: dict[Key, int] = {}
-    _key_lines(node, (), lines, layers, shown)
-
     def source(key: Key) -> Source:
         line = lines.get(key)
         return Source("file", f"{shown}, line {line}" if line else shown)
 
     for section, value in data.items():
         layers.put((str(section),), value, source)
+
+
+_YAML_INT = "tag:yaml.org,2002:int"
+_YAML_MERGE = "tag:yaml.org,2002:merge"
+# YAML 1.1 (PyYAML) reads an int with a leading 0 as octal and one with colons as
+# base 60: `port: 07600` is 3968, `KVMESH_..._CHUNK_SIZE=1:00` is 60.
+_SURPRISING_INT = re.compile(r"^[-+]?(0[0-7_]+|[1-9][0-9_]*(:[0-5]?[0-9])+)$")
+
+
+def yaml_int_problem(text: str, field_type: Any) -> str | None:
+    """Why the YAML int `text` for a key of `field_type` is not the number it looks
+    like, if it is not. Other keys' types refuse an int by themselves."""
+    text = text.strip()
+    if field_type not in (int, ByteSize) or not _SURPRISING_INT.match(text):
+        return None
+    value = yaml.safe_load(text)
+    digits = text.replace("_", "")
+    if ":" not in digits and int(digits, 10) == value:
+        return None  # 00, 0_0: the same read either way
+    return (
+        f"{text} reads as {value} in YAML (a leading 0 means octal, a ':' base 60): "
+        "write the number in plain digits"
+    )
 
 
 def _file_error(path: str, problem: str, line: str = "") -> ConfigError:
@@ -149,11 +183,16 @@ def _file_error(path: str, problem: str, line: str = "") -> ConfigError:
 
 
 def _key_lines(
-    node: yaml.MappingNode, prefix: Key, out: dict[Key, int], layers: Layers, path: str
+    node: yaml.MappingNode,
+    prefix: Key,
+    out: dict[Key, int],
+    layers: Layers,
+    path: str,
+    on_path: set[int],
 ) -> None:
     """Record the line of every key; a key written twice is an issue (YAML keeps the last)."""
     for key_node, value_node in node.value:
-        if not isinstance(key_node, yaml.ScalarNode):
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == _YAML_MERGE:
             continue
         key = (*prefix, key_node.value)
         line = key_node.start_mark.line + 1
@@ -166,8 +205,30 @@ def _key_lines(
                 )
             )
         out[key] = line
-        if isinstance(value_node, yaml.MappingNode):
-            _key_lines(value_node, key, out, layers, path)
+        _value_lines(value_node, key, out, layers, path, on_path)
+
+
+def _value_lines(
+    node: yaml.Node, key: Key, out: dict[Key, int], layers: Layers, path: str, on_path: set[int]
+) -> None:
+    if isinstance(node, yaml.ScalarNode):
+        if node.tag == _YAML_INT and node.style is None:
+            problem = yaml_int_problem(node.value, type_at(layers.schema, key))
+            if problem is not None:
+                where = Source("file", f"{path}, line {node.start_mark.line + 1}")
+                layers.issues.append(ConfigIssue(dotted(key), where, problem))
+        return
+    if id(node) in on_path:
+        return  # an anchor holding itself (`&t [*t]`): the config refuses it later
+    on_path.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        _key_lines(node, key, out, layers, path, on_path)
+    elif isinstance(node, yaml.SequenceNode):
+        # A list item's keys (engine.tiers[0].plugin) are checked for duplicates too;
+        # the list itself stays the one leaf a layer sets.
+        for i, item in enumerate(node.value):
+            _value_lines(item, (*key[:-1], f"{key[-1]}[{i}]"), out, layers, path, on_path)
+    on_path.discard(id(node))
 
 
 def is_config_var(name: str, schema: type[msgspec.Struct]) -> bool:
@@ -192,6 +253,8 @@ def add_env(layers: Layers, env: Mapping[str, str]) -> None:
             continue
         raw = env[name]
         path = tuple(part.lower() for part in name[len(ENV_PREFIX) :].split(ENV_SEPARATOR))
+        if problem := yaml_int_problem(raw, type_at(layers.schema, path)):
+            layers.issues.append(ConfigIssue(dotted(path), Source("env", name), problem))
         layers.put(
             path, _env_value(raw, type_at(layers.schema, path)), lambda _, n=name: Source("env", n)
         )

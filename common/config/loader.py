@@ -7,6 +7,7 @@ the layer that set it, and raised as one ConfigError.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -37,6 +38,7 @@ from kvmesh.common.config.layers import (
 )
 from kvmesh.common.config.schema import KvmeshConfig, RuleError
 from kvmesh.common.config.sizes import ByteSize, format_size
+from kvmesh.common.redact import redact_values
 
 S = TypeVar("S", bound=msgspec.Struct)
 
@@ -183,6 +185,12 @@ def _split_unknown(
         elif is_struct(tp) and isinstance(value, dict):
             known[key], nested = _split_unknown(layers, tp, path, value)
             issues.extend(nested)
+        elif tp is float and isinstance(value, float) and not math.isfinite(value):
+            # msgspec's bounds let inf through a `> 0`; every float key is a duration
+            # or a fraction, and an endless timeout is no deadline (a zmq option
+            # built from it fails at start with OverflowError).
+            problem = f"must be a finite number, got {value}"
+            issues.append(ConfigIssue(dotted(path), layers.source_of(path), problem))
         else:
             known[key] = value
     return known, issues
@@ -231,13 +239,16 @@ def _issue_from(exc: msgspec.ValidationError, layers: Layers, schema: type) -> C
         problem = problem.replace("`", "")
         problem = problem[:1].lower() + problem[1:]
         if is_set:
-            problem += f" {value!r}" if ", got " in problem else f", got {value!r}"
+            # A URL written at the wrong key (`remote: redis://user:pw@host`) may hold
+            # a password: the message lands in logs.
+            shown = repr(redact_values(value))
+            problem += f" {shown}" if ", got " in problem else f", got {shown}"
     return ConfigIssue(dotted(path), layers.source_of(path), problem)
 
 
 def _choice_problem(value: Any, choices: tuple[Any, ...]) -> str:
     allowed = ", ".join(repr(c) for c in choices)
-    problem = f"invalid value {value!r}; expected one of {allowed}"
+    problem = f"invalid value {redact_values(value)!r}; expected one of {allowed}"
     if isinstance(value, str) and (near := close_match(value, [str(c) for c in choices])):
         problem += f" (did you mean {near!r}?)"
     return problem

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from kvmesh.common.config.endpoints import host_port_problem, remote_url_problem
 from kvmesh.common.config.sizes import ByteSize, format_size
 from kvmesh.common.redact import redact_url
 
@@ -49,18 +50,31 @@ def is_zmq_endpoint(url: str) -> bool:
     only at connect time, with a traceback."""
     scheme, sep, rest = url.partition("://")
     if sep and scheme == "ipc":
-        return bool(rest)
-    host, _, port = rest.rpartition(":")
-    return (
-        bool(sep and scheme == "tcp" and host and port.isascii() and port.isdigit())
-        and 0 < int(port) <= 65535
-        and not any(c.isspace() for c in rest)
+        return bool(rest.strip())
+    # zmq cuts the port at the last ':' and takes an IPv6 address bare or in brackets.
+    return bool(sep and scheme == "tcp") and (
+        host_port_problem(rest, bare_ipv6=True, port_required=True) is None
     )
 
 
 def _check_zmq_endpoint(field: str, url: str, related: tuple[str, ...] = ()) -> None:
     if not is_zmq_endpoint(url):
-        raise RuleError(field, f"expected {ZMQ_ENDPOINT_FORMS} (got {url!r})", related)
+        raise RuleError(
+            field,
+            f"expected {ZMQ_ENDPOINT_FORMS} (got {redact_url(url, malformed=True)!r})",
+            related,
+        )
+
+
+def _check_distinct_ports(section: msgspec.Struct, names: tuple[str, ...]) -> None:
+    """The ports one service binds (those set: 0 is off or any free one) differ: the
+    second bind would fail at start with an address in use, naming no key."""
+    seen: dict[int, str] = {}
+    for name in names:
+        port = getattr(section, name)
+        if port and port in seen:
+            raise RuleError(name, f"must differ from {seen[port]} (both are {port})", (seen[port],))
+        seen.setdefault(port, name)
 
 
 class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -77,13 +91,18 @@ class L1Config(_Section):
     alloc_timeout_s: PositiveSeconds = 1.0
 
     def __post_init__(self) -> None:
-        # With L1 on, a zero pool could hold no chunk and every store would fail;
-        # turning the tier off is the way to say "no L1".
-        if self.enabled and self.max_size == 0:
+        # Every store, load and transfer goes through the L1 pool, so there is no
+        # engine without it: off, the engine would fail at start (a pool of 0 bytes)
+        # or, with a size, keep using it. Said here, where `config check` sees it.
+        if not self.enabled:
             raise RuleError(
-                "max_size",
-                "must be > 0 while l1 is enabled (set enabled: false to turn L1 off)",
-                related=("enabled",),
+                "enabled",
+                "L1 cannot be turned off: every tier reads and writes through its pool; "
+                "a smaller max_size keeps less KV in host memory",
+            )
+        if self.max_size == 0:
+            raise RuleError(
+                "max_size", "must be > 0: every tier reads and writes through the L1 pool"
             )
 
 
@@ -192,8 +211,8 @@ class RemoteConfig(_Section):
                 "url",
                 f"fs:// needs an absolute path, as fs:///data/kv (got {redact_url(self.url)!r})",
             )
-        if scheme.lower() != "fs" and not rest.split("/", 1)[0]:
-            raise RuleError("url", f"{scheme}:// needs host:port (got {redact_url(self.url)!r})")
+        if scheme.lower() != "fs" and (problem := remote_url_problem(self.url)) is not None:
+            raise RuleError("url", problem)
 
 
 class EngineControllerConfig(_Section):
@@ -369,6 +388,9 @@ class ControllerConfig(_Section):
                 "needs events_port (the feed it replays) to be set",
                 related=("events_port",),
             )
+        # One HTTP server: on http_port, else on metrics_port.
+        http = ("http_port",) if self.http_port else ("metrics_port",)
+        _check_distinct_ports(self, ("port", *http, "events_port", "events_replay_port"))
 
 
 class LookupConfig(_Section):
@@ -401,6 +423,7 @@ class LookupConfig(_Section):
 
     def __post_init__(self) -> None:
         _check_zmq_endpoint("controller_url", self.controller_url)
+        _check_distinct_ports(self, ("port", "metrics_port"))
         # Pings at or past the staleness bound would let a healthy copy go stale
         # between two confirmations.
         if self.index_ping_s * 2 > self.index_max_staleness_s:
@@ -409,6 +432,9 @@ class LookupConfig(_Section):
                 f"must be at least twice index_ping_s ({self.index_ping_s})",
                 related=("index_ping_s",),
             )
+
+
+_MAX_ZMQ_MS = 2**31 - 1
 
 
 class CacheServerConfig(_Section):
@@ -436,6 +462,25 @@ class CacheServerConfig(_Section):
     spill_max_size: ByteSize = ByteSize("16GiB")
 
     def __post_init__(self) -> None:
+        listeners = (
+            "port",
+            "metrics_port",
+            *(("lm_port",) if self.lm_enabled else ()),
+            *(("data_port",) if self.data_enabled else ()),
+        )
+        _check_distinct_ports(self, listeners)
+        # Its milliseconds go into zmq socket options, C ints: past that the server
+        # failed to start with an OverflowError traceback.
+        # Not int(): a finite 1e308 s is inf ms, which int() refuses with a traceback.
+        if self.stall_timeout_s * 1000 >= _MAX_ZMQ_MS + 1:
+            raise RuleError(
+                "stall_timeout_s",
+                f"must be at most {_MAX_ZMQ_MS // 1000} (zmq takes it in milliseconds "
+                f"as a C int), got {self.stall_timeout_s}",
+            )
+        # 0 would refuse every put: a cache-server that never stores anything.
+        if self.max_value_size == 0:
+            raise RuleError("max_value_size", "must be > 0 (it bounds each stored value)")
         # A value larger than the whole store could never be admitted; say so at
         # startup rather than rejecting every such put at runtime.
         if self.max_value_size > self.max_memory:
@@ -459,8 +504,22 @@ NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 
 def _check_http_url(field: str, url: str) -> None:
     scheme, sep, rest = url.partition("://")
-    if not sep or scheme.lower() not in ("http", "https") or not rest.split("/", 1)[0]:
-        raise RuleError(field, f"must be an http:// or https:// URL with a host (got {url!r})")
+    hosts = rest
+    for end in "/?#":
+        hosts = hosts.split(end, 1)[0]
+    # aiohttp reads the URL with yarl at each request: a bad port would fail every one.
+    host = hosts.rpartition("@")[2]
+    if (
+        not sep
+        or scheme.lower() not in ("http", "https")
+        or not hosts
+        or host_port_problem(host, bare_ipv6=False) is not None
+    ):
+        raise RuleError(
+            field,
+            f"must be an http:// or https:// URL with a host and an optional port "
+            f"(got {redact_url(url, malformed=True)!r})",
+        )
 
 
 class BackendConfig(_Section):
@@ -486,9 +545,17 @@ class DecoderConfig(BackendConfig):
         super().__post_init__()
         for endpoint in self.kv_endpoints:
             scheme, sep, rest = endpoint.partition("://")
-            if not sep or not scheme or ":" not in rest:
+            # The prefiller's engine dials it (host_ports: the port after the last ':').
+            if (
+                not sep
+                or not scheme
+                or ":" not in rest
+                or host_port_problem(rest, bare_ipv6=True, port_required=True) is not None
+            ):
                 raise RuleError(
-                    "kv_endpoints", f"expected scheme://host:port entries (got {endpoint!r})"
+                    "kv_endpoints",
+                    "expected scheme://host:port entries "
+                    f"(got {redact_url(endpoint, malformed=True)!r})",
                 )
 
 
@@ -527,6 +594,7 @@ class BridgeConfig(_Section):
     lookup_max_extra_inflight: NonNegativeInt = 4
 
     def __post_init__(self) -> None:
+        _check_distinct_ports(self, ("port", "metrics_port"))
         if self.max_body_bytes == 0:
             raise RuleError("max_body_bytes", "must be > 0")
         # Two entries for one server would double its share of requests and split its
@@ -535,7 +603,7 @@ class BridgeConfig(_Section):
             urls = [b.url.rstrip("/") for b in backends]
             dup = next((u for u in urls if urls.count(u) > 1), None)
             if dup is not None:
-                raise RuleError(name, f"lists {dup} more than once")
+                raise RuleError(name, f"lists {redact_url(dup)} more than once")
         if self.lookup_url:
             self._check_lookup()
 
@@ -547,7 +615,7 @@ class BridgeConfig(_Section):
         for name, backends in (("prefillers", self.prefillers), ("decoders", self.decoders)):
             for i, b in enumerate(backends):
                 # The list is the key a config layer set, so the error can say where.
-                where = f"[{i}].instance_id ({b.url})"
+                where = f"[{i}].instance_id ({redact_url(b.url)})"
                 if not b.instance_id:
                     raise RuleError(
                         name, f"{where}: required while lookup_url is set", ("lookup_url",)

@@ -285,6 +285,8 @@ static PyObject *chain_memory(PyObject *self, PyObject *args)
     PyObject *out = NULL;
     if (n_tokens < 0 || fill == NULL)
         PyErr_SetString(PyExc_ValueError, "chain_memory: bad token count or kind");
+    else if (address == 0 && n_tokens > 0) /* a tensor with no storage (ZeroTensor) */
+        PyErr_SetString(PyExc_ValueError, "token tensor has no allocated storage");
     else
         out = chain(fill, (void *)(intptr_t)address, n_tokens, chunk_size, unfull, &seed);
     PyBuffer_Release(&seed);

@@ -19,6 +19,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from kvmesh.common.observability.metrics import Metrics
+from kvmesh.common.transport.tcp_address import every_address_socket
 
 PROMETHEUS_TYPE = "text/plain; version=0.0.4"
 HEALTH_PATHS = ("/health", "/healthz")
@@ -72,8 +73,13 @@ async def start_app(
         handler_cancellation=handler_cancellation,
     )
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
     try:
+        sock = every_address_socket(host, port)
+        site: web.BaseSite = (
+            web.TCPSite(runner, host, port, reuse_address=True)
+            if sock is None
+            else web.SockSite(runner, sock)
+        )
         await site.start()
     except BaseException:
         await runner.cleanup()

@@ -23,6 +23,8 @@ import msgspec
 import prometheus_client as prom
 from prometheus_client.core import CollectorRegistry
 
+from kvmesh.common.transport.tcp_address import ipv4_first
+
 PREFIX = "kvmesh_"
 
 # Latency buckets from 10 µs to 10 s: cache operations span that whole range.
@@ -406,7 +408,7 @@ class _QuietHandler(WSGIRequestHandler):
 def _best_family(host: str, port: int) -> tuple[socket.AddressFamily, str]:
     """The address family of host (an IPv6 literal such as "::" needs AF_INET6)."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    family, _, _, _, sockaddr = infos[0]
+    family, _, _, _, sockaddr = ipv4_first(infos)
     return family, str(sockaddr[0])
 
 

@@ -36,6 +36,7 @@ from enum import IntEnum
 from pathlib import Path
 
 from kvmesh.common.protocol import wire
+from kvmesh.common.transport.tcp_address import is_ipv6, tcp_endpoint
 
 PROTOCOL_VERSION = 1
 MAX_TOKENS = 1 << 22  # 16 MiB of token ids; far beyond any context length
@@ -215,6 +216,18 @@ def builtin_ipc_dir() -> Path:
 _TCP = re.compile(r"^tcp://(?P<host>\[[^\]]+\]|[^:/]+):(?P<port>\d+)$")
 
 
+def _tcp_host_port(configured: str) -> tuple[str, int]:
+    match = _TCP.match(configured)
+    if match is not None:
+        return match["host"], int(match["port"])
+    # An IPv6 address left unbracketed: what an orchestrator's "tcp://$(POD_IP):7610"
+    # makes of an IPv6 pod address. The port is required, so the last group is it.
+    host, _, port = configured.removeprefix("tcp://").rpartition(":")
+    if is_ipv6(host) and port.isdigit():
+        return host, int(port)
+    raise ValueError(f"lookup endpoint {configured!r}: expected tcp://host:port")
+
+
 def engine_endpoint(configured: str, instance_id: str, rank: int) -> str:
     """The endpoint the lookup server of (instance_id, rank) binds and clients connect to.
 
@@ -234,13 +247,11 @@ def engine_endpoint(configured: str, instance_id: str, rank: int) -> str:
     elif "{rank}" in configured:
         endpoint = configured.replace("{rank}", str(rank))
     elif configured.startswith("tcp://"):
-        match = _TCP.match(configured)
-        if match is None:
-            raise ValueError(f"lookup endpoint {configured!r}: expected tcp://host:port")
-        port = int(match["port"]) + rank
+        host, port = _tcp_host_port(configured)
+        port += rank
         if not 0 < port <= 65535:
             raise ValueError(f"lookup endpoint {configured!r}: port {port} of rank {rank}")
-        endpoint = f"tcp://{match['host']}:{port}"
+        endpoint = tcp_endpoint(host, port)
     elif configured.startswith("ipc://"):
         endpoint = f"{configured}-{rank}"
     else:

@@ -44,6 +44,7 @@ from kvmesh.common.transport.cacheserver_errors import (
     error_from,
 )
 from kvmesh.common.transport.curve import CurveKeys, apply_client
+from kvmesh.common.transport.tcp_address import connect
 
 log = get_logger(__name__)
 
@@ -161,7 +162,7 @@ class CacheServerClient:
         sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
         monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
         apply_client(sock, self.curve, self.endpoint)
-        sock.connect(self.endpoint)
+        connect(sock, self.endpoint)
         self._sock, self._monitor, self._loop = sock, monitor, loop
         loop.add_reader(sock.getsockopt(zmq.FD), self._drain)
         loop.add_reader(monitor.getsockopt(zmq.FD), self._drain_monitor)

@@ -20,6 +20,7 @@ import socket
 from collections.abc import Callable
 
 from kvmesh.common.protocol import cacheserver_data as data
+from kvmesh.common.transport.tcp_address import ipv4_first
 
 # place(meta, nbytes): a writable buffer of exactly nbytes for the value, or None for
 # one of the connection's own.
@@ -109,7 +110,8 @@ class DataConnections:
                 except OSError as exc:  # TimeoutError included
                     why = str(exc) or f"no answer within {CONNECT_TIMEOUT_S}s"
                     raise DataConnectError(f"resolving {self.host}: {why}") from None
-                self._addr = (infos[0][0], infos[0][4])
+                family, *_, addr = ipv4_first(infos)
+                self._addr = (family, addr)
             else:
                 family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
                 self._addr = (family, (self.host, self.port))

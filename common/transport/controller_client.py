@@ -20,6 +20,7 @@ import zmq.asyncio
 
 from kvmesh.common.protocol import controller as proto
 from kvmesh.common.transport.curve import CurveKeys, apply_client
+from kvmesh.common.transport.tcp_address import connect
 
 T = TypeVar("T")
 
@@ -63,7 +64,7 @@ class ControllerConnection:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         try:
             apply_client(sock, self.curve, self.url)
-            sock.connect(self.url)
+            connect(sock, self.url)
         except Exception:
             # A malformed URL raises here: the socket is not ours yet, so close() would
             # not close it and the context's term() would wait for it forever.

@@ -22,6 +22,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvmesh.common.transport.curve import CurveKeys, apply_client
+from kvmesh.common.transport.tcp_address import connect
 
 _EVENTS = (
     zmq.EVENT_CONNECTED
@@ -84,7 +85,7 @@ def handshake_problem(endpoint: str, keys: CurveKeys | None, timeout_s: float = 
     monitor = sock.get_monitor_socket(_EVENTS)
     try:
         apply_client(sock, keys, endpoint)
-        sock.connect(endpoint)
+        connect(sock, endpoint)
         deadline = time.monotonic() + timeout_s
         connected, refusals, failures = False, 0, 0
         while (left := deadline - time.monotonic()) > 0:

@@ -26,6 +26,7 @@ import zmq.asyncio
 
 from kvmesh.common.protocol import kv_events as kv
 from kvmesh.common.transport.curve import CurveKeys, apply_client
+from kvmesh.common.transport.tcp_address import connect
 
 RCVHWM = 100_000
 
@@ -130,7 +131,7 @@ class KvEventsSubscriber:
             apply_client(sub, self.curve, self.events_url)
             for ns in self.namespaces or ("",):
                 sub.setsockopt(zmq.SUBSCRIBE, ns.encode())
-            sub.connect(self.events_url)
+            connect(sub, self.events_url)
         except Exception:  # a malformed URL: no socket left for term() to wait on
             sub.close(linger=0)
             raise
@@ -278,7 +279,7 @@ class KvEventsSubscriber:
             dealer.setsockopt(zmq.LINGER, 0)
             try:
                 apply_client(dealer, self.curve, self.replay_url)
-                dealer.connect(self.replay_url)
+                connect(dealer, self.replay_url)
             except Exception:
                 dealer.close(linger=0)
                 raise

@@ -22,6 +22,7 @@ import zmq.asyncio
 from kvmesh.common.protocol import lookup as wire
 from kvmesh.common.protocol import lookup_service as proto
 from kvmesh.common.transport.curve import CurveKeys, apply_client
+from kvmesh.common.transport.tcp_address import connect
 
 
 class LookupServiceError(Exception):
@@ -61,7 +62,7 @@ class LookupServiceClient:
         sock.immediate = True
         try:
             apply_client(sock, self.curve, self.url)
-            sock.connect(self.url)
+            connect(sock, self.url)
         except Exception:  # a malformed URL: no socket left for term() to wait on
             sock.close(0)
             raise

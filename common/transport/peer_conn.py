@@ -20,6 +20,7 @@ import zmq.asyncio
 
 from kvmesh.common.protocol import p2p as proto
 from kvmesh.common.transport.curve import CurveKeys, apply_client
+from kvmesh.common.transport.tcp_address import connect
 
 # Peers' connections unused this long are closed: a peer gone for good (a pod replaced
 # under a new address) is otherwise redialled ten times a second (ZMQ's reconnect
@@ -76,7 +77,7 @@ class PeerConnection:
         # Without a live peer, sends fail at once instead of queueing for a dead one.
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
         apply_client(self._sock, curve, endpoint)
-        self._sock.connect(endpoint)
+        connect(self._sock, endpoint)
         self._rids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[tuple[proto.Reply, list[zmq.Frame]]]] = {}
         self._rx: asyncio.Task[None] | None = None

@@ -21,8 +21,6 @@ and the message is answered BAD_MESSAGE.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -30,6 +28,7 @@ import zmq
 
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol.wire import Codec, MalformedMessage
+from kvmesh.common.transport.tcp_address import bind_host, set_family
 
 log = get_logger(__name__)
 
@@ -274,8 +273,9 @@ class RouterLoop:
 def bind_tcp(sock: zmq.Socket, host: str, port: int) -> int:
     """Bind sock on tcp host:port (port 0: any free one); the port bound. A failed bind
     closes sock: no caller keeps it, and its context's term() would wait for it."""
-    endpoint = f"tcp://{_zmq_host(host)}"
     try:
+        endpoint = f"tcp://{bind_host(host)}"
+        set_family(sock, f"{endpoint}:{port}")
         if port:
             sock.bind(f"{endpoint}:{port}")
             return port
@@ -283,12 +283,3 @@ def bind_tcp(sock: zmq.Socket, host: str, port: int) -> int:
     except BaseException:
         sock.close(linger=0)
         raise
-
-
-def _zmq_host(host: str) -> str:
-    """ZMQ wants an interface or an address: resolve a host name once."""
-    if host in ("", "0.0.0.0", "*"):
-        return "*"
-    with contextlib.suppress(OSError):
-        return socket.gethostbyname(host)
-    return host

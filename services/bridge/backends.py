@@ -128,7 +128,7 @@ async def probe(session: aiohttp.ClientSession, backend: Backend, timeout_s: flo
         async with session.get(
             backend.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)
         ) as resp:
-            await resp.read()
+            await read_head(resp, 0)
             if resp.status == 200:
                 backend.mark(True)
             else:
@@ -143,6 +143,32 @@ async def probe_all(
     session: aiohttp.ClientSession, backends: list[Backend], timeout_s: float
 ) -> None:
     await asyncio.gather(*(probe(session, b, timeout_s) for b in backends))
+
+
+class AnswerTooLarge(aiohttp.ClientPayloadError):
+    """A backend's answer longer than the bridge reads of that kind of answer."""
+
+
+async def read_limited(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole answer, or AnswerTooLarge once it is over `limit` bytes: a backend gone
+    wrong can send without end, and the caller's deadline alone would let it fill the
+    bridge's memory at loopback speed first."""
+    answer = bytearray()
+    async for chunk in resp.content.iter_any():
+        answer += chunk
+        if len(answer) > limit:
+            raise AnswerTooLarge(f"{resp.url.path}: the answer is over {limit} bytes")
+    return bytes(answer)
+
+
+async def read_head(resp: aiohttp.ClientResponse, keep: int) -> bytes:
+    """Read the answer to its end (so that its connection can be reused) but keep only
+    its first `keep` bytes: for answers the bridge only logs or throws away."""
+    head = bytearray()
+    async for chunk in resp.content.iter_any():
+        if len(head) < keep:
+            head += chunk[: keep - len(head)]
+    return bytes(head)
 
 
 def describe(exc: BaseException) -> str:

@@ -30,7 +30,7 @@ from kvmesh.common.transport.lookup_service_client import (
     LookupServiceError,
     LookupServiceUnavailable,
 )
-from kvmesh.services.bridge.backends import Backend, describe
+from kvmesh.services.bridge.backends import Backend, describe, read_limited
 from kvmesh.services.bridge.openai import Endpoint
 from kvmesh.services.bridge.routing import PrefixHits
 
@@ -204,7 +204,10 @@ class PrefixLookup:
                 headers=headers,
                 timeout=self._tokenize_timeout,
             ) as resp:
-                answer = await resp.read()
+                # Token ids of a prompt no longer than the request body: a few bytes
+                # each. More is a backend gone wrong, not an answer to buffer.
+                limit = 16 * int(self.config.max_body_bytes) + (1 << 16)
+                answer = await read_limited(resp, limit)
         except TimeoutError:
             raise LookupFailed(
                 "tokenize_timeout",

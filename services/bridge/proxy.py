@@ -13,9 +13,12 @@ loaded one, and the request goes on: routing never fails a request.
 
 A failed prefill (refused, non-2xx, past `prefill_timeout_s`) is not the client's
 problem: the decode goes out without `pd` and the decoder prefills itself; the
-fallback is counted by reason and logged. A failed decode is: 502, or 504 past
-`decode_timeout_s`, with an OpenAI-style error body. The decoder's own answer, errors
-included, goes back unchanged: SSE chunk by chunk when it streams, else in one piece.
+fallback is counted by reason and logged. A decoder that refuses the connection
+(nothing reached it) is marked down and another one takes the request, without the
+prefill's KV. A failed decode is: 502, or 504 past `decode_timeout_s`, with an
+OpenAI-style error body. The decoder's own answer, errors included, goes back
+unchanged: SSE chunk by chunk when it streams, else in one piece up to
+PLAIN_BUFFER_BYTES and chunk by chunk past it (never held whole in memory).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from aiohttp import web
 
 from kvmesh.common.config.schema import BridgeConfig
 from kvmesh.common.observability import get_logger
-from kvmesh.services.bridge.backends import Backend, BackendPool, describe
+from kvmesh.services.bridge.backends import Backend, BackendPool, describe, read_head
 from kvmesh.services.bridge.openai import BadRequest, Endpoint, error_json, parse_request
 from kvmesh.services.bridge.prefix_lookup import LookupFailed, PrefixLookup
 from kvmesh.services.bridge.request_ids import REQUEST_ID, client_request_id
@@ -49,6 +52,13 @@ PATHS: dict[Endpoint, str] = {"completions": "/v1/completions", "chat": "/v1/cha
 # Client headers worth passing on: a backend started with --api-key needs the key.
 FORWARDED_HEADERS = ("Authorization",)
 SSE = "text/event-stream"
+# A plain (non-SSE) answer up to this size is read whole before the client gets its
+# status line, so that a decoder failing mid-answer is still a proper 502/504. A larger
+# one (prompt logprobs of a long prompt, a backend gone wrong) goes on as it arrives,
+# at the client's pace: no answer is ever held whole in the bridge's memory.
+PLAIN_BUFFER_BYTES = 4 << 20
+# Of a failed prefill's answer, what goes into the log line.
+PREFILL_DETAIL_BYTES = 300
 
 _encoder = msgspec.json.Encoder()
 
@@ -62,6 +72,14 @@ def error_response(
         content_type="application/json",
         headers={REQUEST_ID: request_id} if request_id else None,
     )
+
+
+class _Refused(Exception):
+    """No connection to the decoder: nothing of the request reached it."""
+
+    def __init__(self, exc: aiohttp.ClientConnectorError) -> None:
+        super().__init__(str(exc))
+        self.exc = exc
 
 
 class Proxy:
@@ -103,6 +121,10 @@ class Proxy:
         request_id = client_request_id(request) or transfer_id
         try:
             body = parse_request(await self._read_body(request), endpoint)
+        except asyncio.CancelledError:
+            # The client went away while sending its body: counted like any other.
+            self.stats.request(endpoint, "cancelled")
+            raise
         except BadRequest as exc:
             self.stats.request(endpoint, "bad_request")
             log.info(
@@ -138,17 +160,16 @@ class Proxy:
             transfer.route_fallback = route_fallback
             self.transfers.add(transfer)
             try:
-                with decoder.backend.busy():
-                    return await self._run(
-                        request,
-                        endpoint,
-                        body,
-                        transfer,
-                        prefiller.backend if prefiller else None,
-                        decoder.backend,
-                        reason,
-                        headers,
-                    )
+                return await self._run(
+                    request,
+                    endpoint,
+                    body,
+                    transfer,
+                    prefiller.backend if prefiller else None,
+                    decoder.backend,
+                    reason,
+                    headers,
+                )
             except asyncio.CancelledError:
                 self.stats.request(endpoint, "cancelled")
                 log.info("client went away", phase=transfer.phase)
@@ -246,6 +267,26 @@ class Proxy:
         reason: str,
         headers: dict[str, str],
     ) -> web.StreamResponse:
+        # The decoder counts as busy from now (its prefill included), so that the
+        # requests routed meanwhile see it; `hold` moves if another decoder takes over.
+        with contextlib.ExitStack() as hold:
+            hold.enter_context(decoder.busy())
+            return await self._run_held(
+                request, endpoint, body, transfer, prefiller, decoder, reason, headers, hold
+            )
+
+    async def _run_held(
+        self,
+        request: web.Request,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        transfer: Transfer,
+        prefiller: Backend | None,
+        decoder: Backend,
+        reason: str,
+        headers: dict[str, str],
+        hold: contextlib.ExitStack,
+    ) -> web.StreamResponse:
         if prefiller is not None:
             reason = await self._prefill(endpoint, body, transfer, prefiller, decoder, headers)
         elif reason:
@@ -260,8 +301,31 @@ class Proxy:
             self.stats.fallbacks[reason].inc()
         transfer.phase = "decode"
         tid = None if reason else transfer.transfer_id
-        data = _encoder.encode(decode_body(body, tid))
-        return await self._decode(request, endpoint, decoder, data, headers)
+        tried = {decoder.url}
+        while True:
+            data = _encoder.encode(decode_body(body, tid))
+            try:
+                return await self._decode(request, endpoint, decoder, data, headers)
+            except _Refused as refused:
+                # Nothing reached that decoder (now marked down): another one may take
+                # the request as it is. Without the prompt's KV, which went to the
+                # first one: it prefills itself.
+                others = [b for b in self.decoders.backends if b.url not in tried]
+                other = BackendPool(others).pick(include_down=False)
+                if other is None:
+                    return self._decode_failed(endpoint, decoder, refused.exc, headers[REQUEST_ID])
+                log.warning(
+                    "decoder refused the connection, another one takes the request",
+                    decoder=decoder.url, to=other.url, error=describe(refused.exc),
+                )  # fmt: skip
+                if tid is not None:
+                    tid, transfer.fallback = None, "decoder_refused"
+                    self.stats.fallbacks["decoder_refused"].inc()
+                hold.close()
+                hold.enter_context(other.busy())
+                decoder = other
+                transfer.decoder = other.url
+                tried.add(other.url)
 
     async def _prefill(
         self,
@@ -291,11 +355,13 @@ class Proxy:
                     headers=headers,
                     timeout=self._prefill_timeout,
                 ) as resp:
-                    answer = await resp.read()
+                    # Thrown away but for a failure's first bytes: a prefill's answer
+                    # is one token, and one without end must not fill the memory.
+                    answer = await read_head(resp, PREFILL_DETAIL_BYTES)
                     prefiller.mark(True)
                     if not 200 <= resp.status < 300:
                         reason = "status"
-                        detail = f"{resp.status}: {answer[:300].decode(errors='replace')}"
+                        detail = f"{resp.status}: {answer.decode(errors='replace')}"
             except TimeoutError:
                 # Not marked down: a busy prefiller is slow, not gone.
                 reason, detail = "timeout", f"no answer in {self.config.prefill_timeout_s}s"
@@ -330,30 +396,86 @@ class Proxy:
                 headers=headers,
                 timeout=self._decode_timeout,
             )
+        except aiohttp.ClientConnectorError as exc:
+            decoder.mark(False, describe(exc))
+            raise _Refused(exc) from None
         except (TimeoutError, aiohttp.ClientError) as exc:
-            if isinstance(exc, aiohttp.ClientConnectorError):
-                decoder.mark(False, describe(exc))
             return self._decode_failed(endpoint, decoder, exc, headers[REQUEST_ID])
         decoder.mark(True)
         async with resp:
             outcome = "ok" if 200 <= resp.status < 300 else "decoder_status"
-            content_type = resp.headers.get("Content-Type", "application/json")
             if resp.content_type != SSE:
-                try:
-                    answer = await resp.read()
-                except (TimeoutError, aiohttp.ClientError) as exc:
-                    return self._decode_failed(endpoint, decoder, exc, headers[REQUEST_ID])
-                self.stats.decode_ttfb.observe(time.perf_counter() - t0)
-                self.stats.request(endpoint, outcome)
-                log.debug("request answered", status=resp.status, outcome=outcome)
-                return web.Response(
-                    status=resp.status,
-                    body=answer,
-                    headers={"Content-Type": content_type, REQUEST_ID: headers[REQUEST_ID]},
+                return await self._plain(
+                    request, endpoint, decoder, resp, t0, outcome, headers[REQUEST_ID]
                 )
             return await self._stream(
                 request, endpoint, decoder, resp, t0, outcome, headers[REQUEST_ID]
             )
+
+    async def _plain(
+        self,
+        request: web.Request,
+        endpoint: Endpoint,
+        decoder: Backend,
+        resp: aiohttp.ClientResponse,
+        t0: float,
+        outcome: str,
+        request_id: str,
+    ) -> web.StreamResponse:
+        """A non-SSE answer: read whole when it is small (PLAIN_BUFFER_BYTES), else
+        passed on as it arrives; either way written to the client within the per-write
+        deadline (`_send`), so a client that stops reading holds nothing for long."""
+        content_type = resp.headers.get("Content-Type", "application/json")
+        chunks = resp.content.iter_any()
+        head = bytearray()
+        whole = False
+        try:
+            async for chunk in chunks:
+                head += chunk
+                if len(head) > PLAIN_BUFFER_BYTES:
+                    break
+            else:
+                whole = True
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            return self._decode_failed(endpoint, decoder, exc, request_id)
+        self.stats.decode_ttfb.observe(time.perf_counter() - t0)
+        out = web.StreamResponse(
+            status=resp.status, headers={"Content-Type": content_type, REQUEST_ID: request_id}
+        )
+        if whole:
+            out.content_length = len(head)
+        elif "Content-Encoding" not in resp.headers and resp.content_length is not None:
+            # The decoder's own length (the session inflated nothing): a client can tell
+            # an answer cut short, an HTTP/1.0 one too (no chunked framing there).
+            out.content_length = resp.content_length
+        try:
+            await self._send(request, out.prepare(request))
+            await self._send(request, out.write(head))
+            head = bytearray()
+            if not whole:
+                async for chunk in chunks:
+                    await self._send(request, out.write(chunk))
+            await self._send(request, out.write_eof())
+        except ConnectionResetError as exc:
+            self.stats.request(endpoint, "cancelled")
+            log.info("client went away while answered", error=str(exc))
+            return out
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            # The status line is gone and a plain answer has no place for an error:
+            # the connection is cut, so that the client sees an answer cut short
+            # (short of its length, or chunked without its last chunk), never a short
+            # one that looks whole.
+            _, outcome, message = self._failure(decoder, exc)
+            log.warning("decoder failed mid-answer", decoder=decoder.url, error=message)
+            if request.transport is not None:
+                request.transport.abort()
+            self.stats.request(endpoint, outcome)
+            return out
+        # Counted once the answer is all out: a client gone at the last write is
+        # "cancelled" above, not both.
+        self.stats.request(endpoint, outcome)
+        log.debug("request answered", status=resp.status, outcome=outcome)
+        return out
 
     async def _stream(
         self,
@@ -401,10 +523,12 @@ class Proxy:
             event = b"data: " + error_json(status, message) + b"\n\n"
             with contextlib.suppress(ConnectionResetError):
                 await self._send(request, out.write(event))
-        self.stats.request(endpoint, outcome)
-        log.debug("request streamed", status=resp.status, outcome=outcome)
         with contextlib.suppress(ConnectionResetError):
             await self._send(request, out.write_eof())
+        # After the last write: a cancel there (the client gone) is counted by serve()
+        # alone.
+        self.stats.request(endpoint, outcome)
+        log.debug("request streamed", status=resp.status, outcome=outcome)
         return out
 
     async def _send(self, request: web.Request, write: Awaitable[object]) -> None:

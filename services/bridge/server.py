@@ -33,7 +33,13 @@ from kvmesh.common.observability import get_logger
 from kvmesh.common.observability.http import start_app
 from kvmesh.common.observability.http_auth import BearerAuth
 from kvmesh.common.transport.curve import CurveKeys
-from kvmesh.services.bridge.backends import Backend, BackendPool, describe, probe_all
+from kvmesh.services.bridge.backends import (
+    Backend,
+    BackendPool,
+    describe,
+    probe_all,
+    read_limited,
+)
 from kvmesh.services.bridge.openai import error_json
 from kvmesh.services.bridge.prefix_lookup import PrefixLookup
 from kvmesh.services.bridge.proxy import Proxy, error_response
@@ -46,6 +52,9 @@ log = get_logger(__name__)
 POOL_CONNECTIONS = 1024
 # On stop, requests in flight get this long to finish before they are cancelled.
 STOP_GRACE_S = 5.0
+# A decoder's /v1/models answer is read whole: past this it is a 502 (a model list
+# is kilobytes, even with many LoRA adapters).
+MODELS_ANSWER_BYTES = 16 << 20
 
 
 class BridgeServer:
@@ -237,7 +246,7 @@ class BridgeServer:
                 async with self._session.get(
                     decoder.url + "/v1/models", headers=headers, timeout=timeout
                 ) as resp:
-                    body = await resp.read()
+                    body = await read_limited(resp, MODELS_ANSWER_BYTES)
                     decoder.mark(True)
                     content_type = resp.headers.get("Content-Type", "application/json")
                     self.stats.request("models", "ok" if resp.status == 200 else "decoder_status")

@@ -20,7 +20,9 @@ OUTCOMES = (
 # Why a request was decoded without a prefill: no prefiller configured, every one
 # known to be down, the decoder has no kv_endpoints, the decoder already holds nearly
 # the whole prompt (KV-aware routing); or the prefill call failed: no connection, past
-# prefill_timeout_s, a non-2xx answer, another transport error.
+# prefill_timeout_s, a non-2xx answer, another transport error; or the prefill pushed
+# the KV to a decoder that then refused the decode's connection, and another decoder
+# took the request.
 FALLBACK_REASONS = (
     "no_prefiller",
     "prefiller_down",
@@ -30,6 +32,7 @@ FALLBACK_REASONS = (
     "timeout",
     "status",
     "error",
+    "decoder_refused",
 )
 ROLES = ("prefiller", "decoder")
 # How a backend was chosen: "kv", its cached prefix of the prompt; "load", the least

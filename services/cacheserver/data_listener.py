@@ -22,6 +22,7 @@ from kvmesh.common.config import CacheServerConfig
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import cacheserver_data as data
 from kvmesh.common.protocol.cacheserver import MAX_KEY_BYTES
+from kvmesh.common.transport.tcp_address import every_address_socket, ipv4_first
 from kvmesh.services.cacheserver.handlers import Handlers, RequestError, check_key
 from kvmesh.services.cacheserver.stats import ServerStats
 
@@ -58,19 +59,21 @@ class DataListener:
         # Plain sockets and the loop's sock_* calls, not streams: a value is sent from
         # the store's own memory (Python 3.11's StreamWriter.writelines joins its
         # buffers into one new bytes, a copy of every value).
-        infos = await asyncio.get_running_loop().getaddrinfo(
-            self.config.host, self.config.data_port, type=socket.SOCK_STREAM
-        )
-        family, kind, proto, _, addr = infos[0]
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(addr)
-            sock.listen(128)
-            sock.setblocking(False)
-        except BaseException:
-            sock.close()
-            raise
+        sock = every_address_socket(self.config.host, self.config.data_port)
+        if sock is None:
+            infos = await asyncio.get_running_loop().getaddrinfo(
+                self.config.host, self.config.data_port, type=socket.SOCK_STREAM
+            )
+            family, kind, proto, _, addr = ipv4_first(infos)
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(addr)
+                sock.listen(128)
+            except BaseException:
+                sock.close()
+                raise
+        sock.setblocking(False)
         self._listener = sock
         self.port = sock.getsockname()[1]
         self._accepting = asyncio.create_task(self._accept(), name="cacheserver-data-accept")

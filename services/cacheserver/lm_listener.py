@@ -47,6 +47,7 @@ from kvmesh.common.config import CacheServerConfig
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import lmcache_lm as lm
 from kvmesh.common.protocol.cacheserver import ErrorCode
+from kvmesh.common.transport.tcp_address import every_address_socket
 from kvmesh.services.cacheserver.stats import ServerStats
 from kvmesh.services.cacheserver.store import (
     INTERNAL_PREFIX,
@@ -126,9 +127,13 @@ class LmListener:
         self._warned_large: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(
-            self._serve_client, self.config.host, self.config.lm_port, reuse_address=True
-        )
+        sock = every_address_socket(self.config.host, self.config.lm_port)
+        if sock is not None:
+            self._server = await asyncio.start_server(self._serve_client, sock=sock)
+        else:
+            self._server = await asyncio.start_server(
+                self._serve_client, self.config.host, self.config.lm_port, reuse_address=True
+            )
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:

@@ -42,6 +42,12 @@ import psutil
 from kvmesh.common.config import ConfigError, KvmeshConfig, load_config
 from kvmesh.common.redact import redact_text, redact_url
 from kvmesh.common.transport.curve import CurveKeys
+from kvmesh.common.transport.tcp_address import (
+    cacheserver_endpoint,
+    host_part,
+    local_host,
+    tcp_endpoint,
+)
 from kvmesh.services.cli import status_cmd
 from kvmesh.services.cli.doctor_host import (
     Check,
@@ -95,7 +101,7 @@ def _bind_error(host: str, port: int) -> int:
         # The services set SO_REUSEADDR too: a port in TIME_WAIT is free to them.
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind((host, port))
+            s.bind((host.removeprefix("[").removesuffix("]"), port))
         except OSError as exc:
             return exc.errno or errno.EADDRINUSE
     return 0
@@ -116,7 +122,7 @@ def _holder(port: int) -> str:
 
 async def _answers(service: str, host: str, port: int, timeout_s: float, curve: Any) -> str:
     """ "" when the expected service answers on host:port, else why not."""
-    url = f"tcp://{status_cmd.local_host(host)}:{port}"
+    url = tcp_endpoint(local_host(host), port)
     probes: dict[str, Callable[[], Awaitable[dict[str, Any]]]] = {
         "controller": lambda: status_cmd.probe_controller(url, timeout_s, curve),
         "lookup": lambda: status_cmd.probe_lookup(url, timeout_s, curve),
@@ -125,7 +131,7 @@ async def _answers(service: str, host: str, port: int, timeout_s: float, curve: 
     if service in probes:
         got = await status_cmd.timed(probes[service], timeout_s, endpoint=url, curve=curve)
     elif service in ("http", "controller-http"):
-        base = f"http://{status_cmd.local_host(host)}:{port}"
+        base = f"http://{host_part(local_host(host))}:{port}"
         got = await status_cmd.timed(
             lambda: status_cmd.fetch_metrics(base + "/metrics", timeout_s), timeout_s
         )
@@ -145,7 +151,7 @@ async def _check_port(
 ) -> Check:
     label, service, host, port = row
     err = await asyncio.to_thread(_bind_error, host, port)
-    where = f"{label} {host}:{port}"
+    where = f"{label} {host_part(host)}:{port}"
     if err == 0:
         return Check("port", "ok", f"{where} is free")
     if err == errno.EADDRNOTAVAIL:
@@ -211,7 +217,7 @@ def _zmq_endpoint(url: str) -> str:
     if url.startswith("tcp://"):
         return url
     if url.startswith("kvmesh://"):
-        return "tcp://" + url.removeprefix("kvmesh://").split("/", 1)[0]
+        return cacheserver_endpoint(url)
     return ""
 
 
@@ -233,7 +239,7 @@ async def check_reach(cfg: KvmeshConfig, timeout_s: float, curve: CurveKeys | No
     if e.remote.enabled:
         scheme, _, rest = e.remote.url.partition("://")
         if scheme == "kvmesh":
-            u = "tcp://" + rest.split("/", 1)[0]
+            u = cacheserver_endpoint(e.remote.url)
             targets.append(
                 (
                     "engine.remote.url",
@@ -259,6 +265,7 @@ async def check_reach(cfg: KvmeshConfig, timeout_s: float, curve: CurveKeys | No
             ("bridge.lookup_url", u, "fail", lambda: status_cmd.probe_lookup(u, timeout_s, curve))
         )
     # The services' own addresses: down may only mean not started yet.
+    cache = tcp_endpoint(local_host(cfg.cacheserver.host), cfg.cacheserver.port)
     targets += [
         (
             "controller",
@@ -269,13 +276,9 @@ async def check_reach(cfg: KvmeshConfig, timeout_s: float, curve: CurveKeys | No
         ("lookup", ep.lookup, "warn", lambda: status_cmd.probe_lookup(ep.lookup, timeout_s, curve)),
         (
             "cacheserver",
-            f"tcp://{status_cmd.local_host(cfg.cacheserver.host)}:{cfg.cacheserver.port}",
+            cache,
             "warn",
-            lambda: status_cmd.probe_cacheserver(
-                f"tcp://{status_cmd.local_host(cfg.cacheserver.host)}:{cfg.cacheserver.port}",
-                timeout_s,
-                curve,
-            ),
+            lambda: status_cmd.probe_cacheserver(cache, timeout_s, curve),
         ),
     ]
     # A failure of a ZMQ target also says what its CURVE handshake did.

@@ -28,6 +28,7 @@ import zmq
 
 from kvmesh.common.protocol import kv_events as kv
 from kvmesh.common.transport.kv_events_client import Delivery, KvEventsSubscriber, Lost
+from kvmesh.common.transport.tcp_address import is_ipv6, local_host, tcp_endpoint
 from kvmesh.services.cli.admin_cmd import BAD_URL_ERRNOS, EXIT_FAILED
 from kvmesh.services.cli.serving import load_security, load_service_config
 
@@ -39,17 +40,16 @@ _PORT = click.IntRange(0, 65535)
 def _host(controller: str | None, config_host: str) -> str:
     host = controller if controller is not None else config_host
     host = host.removeprefix("tcp://")
-    if host.count(":") == 1 or host.endswith("]"):
+    if host.count(":") == 1 or (host.startswith("[") and not host.endswith("]")):
         raise click.BadParameter(
             "give the host only; the ports are --events-port and --replay-port",
             param_hint="--controller",
         )
-    if any(c.isspace() for c in host):
+    if any(c.isspace() for c in host) or (host.startswith("[") and not is_ipv6(host)):
         # Refused here rather than by zmq's connect(), whose failure leaves a socket
         # open that the subscriber's close() would wait for.
         raise click.BadParameter(f"{host!r} is not a host name", param_hint="--controller")
-    # A controller bound to every address is reached on loopback from its own host.
-    return "127.0.0.1" if host in ("", "0.0.0.0", "*", "::") else host
+    return local_host(host)
 
 
 def as_dict(item: Delivery | Lost) -> dict[str, Any]:
@@ -155,8 +155,8 @@ def events(
         raise click.BadParameter("must be >= 0", param_hint="--since")
     try:
         sub = KvEventsSubscriber(
-            f"tcp://{host}:{pub_port}",
-            f"tcp://{host}:{rep_port}" if rep_port else "",
+            tcp_endpoint(host, pub_port),
+            tcp_endpoint(host, rep_port) if rep_port else "",
             namespaces=namespaces,
             since=since,
             curve=curve,

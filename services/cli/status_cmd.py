@@ -46,6 +46,12 @@ from kvmesh.common.transport.controller_client import ControllerConnection
 from kvmesh.common.transport.curve import CurveKeys
 from kvmesh.common.transport.handshake_probe import handshake_problem
 from kvmesh.common.transport.lookup_service_client import LookupServiceClient
+from kvmesh.common.transport.tcp_address import (
+    cacheserver_endpoint,
+    host_part,
+    local_host,
+    tcp_endpoint,
+)
 from kvmesh.services.cli.serving import load_security, load_service_config
 
 EXIT_DOWN = 3
@@ -73,21 +79,16 @@ class Endpoints:
     metrics: dict[str, str] = field(default_factory=dict)
 
 
-def local_host(host: str) -> str:
-    # A service bound to every address is reached on loopback from its own host.
-    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-
-
 def endpoints_from_config(cfg: KvmeshConfig) -> Endpoints:
     """Where each service of cfg listens, as a client on the same host reaches it."""
     c, lk, cs = cfg.controller, cfg.lookup, cfg.cacheserver
-    cache = f"tcp://{local_host(cs.host)}:{cs.port}"
+    cache = tcp_endpoint(local_host(cs.host), cs.port)
     remote = cfg.engine.remote
     if remote.enabled and remote.url.startswith("kvmesh://"):
-        cache = "tcp://" + remote.url.removeprefix("kvmesh://").split("/", 1)[0]
+        cache = cacheserver_endpoint(remote.url)
     ep = Endpoints(
-        controller=f"tcp://{local_host(c.host)}:{c.port}",
-        lookup=f"tcp://{local_host(lk.host)}:{lk.port}",
+        controller=tcp_endpoint(local_host(c.host), c.port),
+        lookup=tcp_endpoint(local_host(lk.host), lk.port),
         cacheserver=cache,
     )
     controller_http = c.http_port or c.metrics_port
@@ -97,7 +98,7 @@ def endpoints_from_config(cfg: KvmeshConfig) -> Endpoints:
         ("cacheserver", cs.host, cs.metrics_port),
     ):
         if port:
-            ep.metrics[name] = f"http://{local_host(host)}:{port}/metrics"
+            ep.metrics[name] = f"http://{host_part(local_host(host))}:{port}/metrics"
     return ep
 
 

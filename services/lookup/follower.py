@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import itertools
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import zmq
@@ -40,12 +41,16 @@ from kvmesh.common.observability import Metrics, get_logger
 from kvmesh.common.protocol import controller as proto
 from kvmesh.common.protocol.controller import ErrorCode
 from kvmesh.common.transport.curve import CurveKeys, apply_client
+from kvmesh.common.transport.tcp_address import connect
 from kvmesh.services.lookup.index import ChunkIndex, UnknownWorker
 
 log = get_logger(__name__)
 
 RCV_HWM = 100_000
-BUILD_STEP = 100_000  # chunk ints added between two yields to the loop while building
+# Chunk ints added between two yields to the loop while building: into a dict of
+# millions, an insert costs 1-4 µs (cache misses), so 100k of them held every
+# request up for 0.1-0.4 s.
+BUILD_STEP = WALK_STEP
 SWEEP_STEP = 50_000
 RETRY_MAX_S = 2.0
 RESYNC_REASONS = ("start", "gap", "restart", "diverged", "unavailable")
@@ -118,9 +123,12 @@ class IndexFollower:
         self._confirmed = float("-inf")  # monotonic time the index was last known current
         self._following = False  # pushes go to self.index
         self._buffer: list[Any] | None = None  # pushes that arrive while building
-        # Pushes that arrive while a large WorkerReplaced is applied in steps, and its task.
+        # Pushes that arrive while a large push is applied in steps, and its task.
         self._held: list[Any] | None = None
         self._held_to = 0  # the seq of the last push held (or of the replacement)
+        # The newest tick answered while a push went in in steps, (seq, sent): it
+        # confirms the index once the push and those held behind it are in.
+        self._held_tick: tuple[int, float] | None = None
         self._replacing: asyncio.Task | None = None
         self._resync = asyncio.Event()
         self._resync_reason = ""
@@ -154,7 +162,7 @@ class IndexFollower:
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         apply_client(sock, self.curve, self.url)
-        sock.connect(self.url)
+        connect(sock, self.url)
         self._sock = sock
         self._tasks = [
             asyncio.create_task(self._read(), name="lookup-index-reader"),
@@ -321,10 +329,12 @@ class IndexFollower:
         if tick.epoch != self.epoch:
             self._trigger("restart", f"epoch {tick.epoch}")
         elif self._held is not None:
-            # A replacement is going in: nothing is confirmed until it is; a tick past
+            # A push is going in in steps: nothing is confirmed until it is; a tick past
             # the last push received still shows one lost.
             if tick.seq > self._held_to:
                 self._trigger("gap", f"tick at {tick.seq}, pushes received to {self._held_to}")
+            elif self._held_tick is None or sent > self._held_tick[1]:
+                self._held_tick = (tick.seq, sent)
         elif tick.seq > self.seq:
             self._trigger("gap", f"tick at {tick.seq}, index at {self.seq}")
         elif tick.seq == self.seq:
@@ -333,25 +343,45 @@ class IndexFollower:
             self._trigger("diverged", f"tick at {tick.seq} behind index at {self.seq}")
 
     def _take(self, push: Any) -> None:
-        """Apply a push now, or once the replacement being applied in steps is in; a
-        large WorkerReplaced (a million chunks take ~0.3 s) is applied in steps."""
+        """Apply a push now, or once the push being applied in steps is in. A large
+        WorkerReplaced (a million chunks take ~0.3 s) or IndexEvents (65,536 admits
+        into an index of millions take 0.1-0.3 s) is applied in steps."""
         if self._held is not None:
             self._held.append(push)
             self._held_to = max(self._held_to, push.seq)
-        elif isinstance(push, proto.WorkerReplaced) and (
-            sum(len(raw) for raw in push.tiers.values()) // 8 > WALK_STEP  # 8 bytes a chunk
-        ):
+        elif _chunks_in(push) > WALK_STEP:
             self._held, self._held_to = [], push.seq
-            self._replacing = asyncio.get_running_loop().create_task(self._replace(push))
+            self._replacing = asyncio.get_running_loop().create_task(self._in_steps(push))
         else:
             self._apply(push)
 
-    async def _replace(self, push: proto.WorkerReplaced) -> None:
+    def _event_steps(self, index: ChunkIndex, push: proto.IndexEvents) -> Iterator[None]:
+        """An event batch, WALK_STEP chunks a step. Stopped midway, the index holds the
+        worker's state after the events applied so far: one it did have (its events
+        are in order), and the resync that stops it replaces the index anyway."""
+        w = index.worker(push.worker_id)
+        since_yield = 0  # chunks applied since the last step: many small runs are one
+        for kind, tier, raw in push.runs:
+            ints = unpack_ints(raw)
+            for start in range(0, len(ints), WALK_STEP):
+                step = ints[start : start + WALK_STEP]
+                index.apply(w, kind, tier, step)
+                self.stats.events.inc(len(step))
+                since_yield += len(step)
+                if since_yield >= WALK_STEP:
+                    since_yield = 0
+                    yield
+
+    async def _in_steps(self, push: proto.WorkerReplaced | proto.IndexEvents) -> None:
         index = self.index
         assert index is not None
         try:
             if self._in_order(push):
-                steps = index.replace_steps(push.worker_id, push.tiers)
+                steps = (
+                    index.replace_steps(push.worker_id, push.tiers)
+                    if isinstance(push, proto.WorkerReplaced)
+                    else self._event_steps(index, push)
+                )
                 try:
                     for _ in steps:
                         await asyncio.sleep(0)
@@ -363,19 +393,25 @@ class IndexFollower:
             # As for a push applied at once (_apply, _read): resync. Held pushes are
             # dropped, or they would pile up and no tick would confirm the index again.
             if not isinstance(exc, UnknownWorker):
-                log.exception("worker replacement not applied", worker=push.worker_id)
-            self._held = self._replacing = None
-            self._trigger("diverged", f"replacement of {push.worker_id} failed: {exc!r}"[:200])
+                log.exception("push not applied", worker=push.worker_id)
+            self._held = self._replacing = self._held_tick = None
+            self._trigger("diverged", f"push for {push.worker_id} failed: {exc!r}"[:200])
             return
         held, self._held, self._replacing = self._held or [], None, None
         for later in held:
             self._take(later)
+        tick = self._held_tick
+        if self._held is None and tick is not None:
+            # No other push in steps started: the index holds every push the tick counted.
+            self._held_tick = None
+            if self.seq >= tick[0]:
+                self._confirmed = max(self._confirmed, tick[1])
 
     def _drop_replacement(self) -> None:
-        """Give up a replacement in steps (its index is being replaced, or we stop)."""
+        """Give up a push in steps (its index is being replaced, or we stop)."""
         if self._replacing is not None:
             self._replacing.cancel()
-        self._held = self._replacing = None
+        self._held = self._replacing = self._held_tick = None
 
     def _in_order(self, push: Any) -> bool:
         """Whether push is the next to apply; one out of order triggers a resync, one
@@ -413,3 +449,12 @@ class IndexFollower:
             return
         self.seq = push.seq
         self.stats.pushes.inc()
+
+
+def _chunks_in(push: Any) -> int:
+    """Chunk ints a push carries (8 bytes each): what applying it costs."""
+    if isinstance(push, proto.WorkerReplaced):
+        return sum(len(raw) for raw in push.tiers.values()) // 8
+    if isinstance(push, proto.IndexEvents):
+        return sum(len(raw) for _, _, raw in push.runs) // 8
+    return 0

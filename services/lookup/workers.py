@@ -21,6 +21,7 @@ import zmq.asyncio
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import lookup as wire
 from kvmesh.common.transport.curve import CurveKeys, apply_client
+from kvmesh.common.transport.tcp_address import connect
 
 log = get_logger(__name__)
 
@@ -44,7 +45,7 @@ class _Conn:
             sock.setsockopt(zmq.RECONNECT_IVL, 100)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
             apply_client(sock, curve, endpoint)
-            sock.connect(endpoint)
+            connect(sock, endpoint)
         except BaseException:  # a bad endpoint: not a socket left open for good
             sock.close(0)
             raise

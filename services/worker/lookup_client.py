@@ -26,6 +26,7 @@ import zmq
 from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import lookup as proto
 from kvmesh.common.transport.curve import CurveKeys, apply_client
+from kvmesh.common.transport.tcp_address import connect
 
 log = get_logger(__name__)
 
@@ -77,7 +78,7 @@ class LookupClient:
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
             sock.sndhwm = sock.rcvhwm = 1000
             apply_client(sock, curve, endpoint)
-            sock.connect(endpoint)
+            connect(sock, endpoint)
             self._socks.append(sock)
         self._closed = False
 

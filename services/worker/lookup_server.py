@@ -33,6 +33,7 @@ from kvmesh.common.protocol import lookup as proto
 from kvmesh.common.protocol import wire
 from kvmesh.common.transport.curve import CurveGuard
 from kvmesh.common.transport.frames import FrameReader
+from kvmesh.common.transport.tcp_address import bind
 
 if TYPE_CHECKING:
     from kvmesh.services.worker.engine import KVEngine
@@ -178,7 +179,7 @@ class LookupServer:
             sock.bind(self.endpoint)
             self._ipc_path = path
             return self.endpoint
-        sock.bind(self.endpoint)
+        bind(sock, self.endpoint)
         return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def _remove_ipc_file(self) -> None:

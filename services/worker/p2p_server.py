@@ -37,6 +37,7 @@ from kvmesh.common.protocol import wire
 from kvmesh.common.transport.channel import TransferChannel
 from kvmesh.common.transport.curve import CurveGuard
 from kvmesh.common.transport.frames import FrameReader
+from kvmesh.common.transport.tcp_address import bind, bind_host, tcp_endpoint
 from kvmesh.services.worker.pd_receiver import PdRefused
 
 if TYPE_CHECKING:
@@ -60,7 +61,8 @@ class P2PServer:
     def __init__(self, engine: KVEngine, channel: TransferChannel, host: str, port: int) -> None:
         self.engine = engine
         self.channel = channel
-        self.endpoint = f"tcp://{host}:{port}"
+        # As the services bind: "" is every IPv4 address, a name its IPv4 address first.
+        self.endpoint = tcp_endpoint(bind_host(host), port)
         self.lease_s = max(10.0, 4 * engine.config.p2p.timeout_s)
         self._leases: dict[int, tuple[list[MemoryObj], float]] = {}
         self._done: concurrent.futures.Future[None] | None = None
@@ -119,7 +121,7 @@ class P2PServer:
         guard.serve(sock)
         try:
             try:
-                sock.bind(self.endpoint)
+                bind(sock, self.endpoint)
             except zmq.ZMQError as exc:
                 bound.set_exception(P2PServerError(f"cannot bind {self.endpoint}: {exc}"))
                 return

@@ -1131,7 +1131,7 @@ def test_redis_hosts_ipv6_and_default_port(
 ) -> None:
     from redis.asyncio import Redis
 
-    from kvmesh.services.worker.tiers.remote_connector import host_ports
+    from kvmesh.common.transport.tcp_address import host_ports
 
     values = {"remote": {"backend": backend, "redis": {"hosts": hosts}},
               "cacheserver": {"enabled": False}}  # fmt: skip

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
+from kvtest.netns import veth_namespace
 from kvtest.service_process import KvtestProcess, free_port
 
 from kvmesh.common.protocol import p2p as proto
@@ -56,28 +56,8 @@ class NodeProcess(KvtestProcess):
 def netns() -> Iterator[tuple[str, str]]:
     """A network namespace joined to this one by a veth pair: (name, its address)."""
     tag = os.getpid() % 250 + 1
-    name, host_if, ns_if = f"kvp2p{tag}", f"kvp2p{tag}h", f"kvp2p{tag}n"
-    ns_ip, host_ip = NS_IP.format(tag), HOST_IP.format(tag)
-    subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    subprocess.run(["ip", "link", "del", host_if], capture_output=True)
-    for cmd in (
-        ["ip", "netns", "add", name],
-        ["ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if],
-        ["ip", "link", "set", ns_if, "netns", name],
-        ["ip", "addr", "add", f"{host_ip}/24", "dev", host_if],
-        ["ip", "link", "set", host_if, "up"],
-        ["ip", "netns", "exec", name, "ip", "addr", "add", f"{ns_ip}/24", "dev", ns_if],
-        ["ip", "netns", "exec", name, "ip", "link", "set", ns_if, "up"],
-        ["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"],
-    ):
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        # Fails loudly: the test needs root and `ip` (iproute2), as CI has.
-        assert done.returncode == 0, f"{' '.join(cmd)}: {done.stderr}"
-    try:
-        yield name, ns_ip
-    finally:
-        subprocess.run(["ip", "link", "del", host_if], capture_output=True)
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    with veth_namespace("kvp2p", HOST_IP, NS_IP, 24) as name:
+        yield name, NS_IP.format(tag)
 
 
 @pytest.fixture

@@ -172,23 +172,3 @@ def _plugin_connector(spec: str, url: str, key_prefix: str, timeout_s: float) ->
 _CONNECTOR_ASYNC = (
     "reconnect", "ping", "put", "get", "exists", "delete", "clear", "close", "get_into",
 )  # fmt: skip
-
-
-def host_ports(netloc: str, default_port: int) -> list[tuple[str, int]]:
-    """`h1:p1,h2:p2` (credentials already stripped) as [(host, port)]; IPv6 in []."""
-    out: list[tuple[str, int]] = []
-    for part in filter(None, netloc.split(",")):
-        if part.startswith("["):
-            host, _, rest = part[1:].partition("]")
-            port = rest.removeprefix(":")
-        else:
-            host, _, port = part.rpartition(":") if ":" in part else (part, "", "")
-        if not host:
-            raise ValueError(f"no host in {part!r}")
-        try:
-            out.append((host, int(port) if port else default_port))
-        except ValueError:
-            raise ValueError(f"bad port in {part!r}") from None
-    if not out:
-        raise ValueError("no host:port given")
-    return out

@@ -18,9 +18,9 @@ from kvmesh.common.chunk_codec import VALUE_LAYOUT, ChunkHeader
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.transport.cacheserver_client import CacheServerClient, ValueTooLargeError
 from kvmesh.common.transport.curve import CurveKeys
-from kvmesh.services.worker.tiers.remote_connector import Fetched, ValueRefused, host_ports
+from kvmesh.common.transport.tcp_address import cacheserver_endpoint
+from kvmesh.services.worker.tiers.remote_connector import Fetched, ValueRefused
 
-DEFAULT_PORT = 7620
 CLEAR_PAGE = 1000
 # Values above this come in parts (see the protocol): a 32 MiB chunk received as one
 # frame costs a fresh mapping and 8192 page faults per get with glibc's defaults;
@@ -45,12 +45,7 @@ class KvmeshConnector:
         curve: CurveKeys | None = None,
     ) -> None:
         self.curve = curve
-        rest = url.partition("://")[2].split("/", 1)[0]
-        (host, port), *more = host_ports(rest, DEFAULT_PORT)
-        if more:
-            raise ValueError("kvmesh:// takes one host:port")
-        host = f"[{host}]" if ":" in host else host
-        self.endpoint = f"tcp://{host}:{port}"
+        self.endpoint = cacheserver_endpoint(url)
         self._url = url
         self.prefix = key_prefix
         self.timeout_s = timeout_s

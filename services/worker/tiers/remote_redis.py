@@ -33,11 +33,11 @@ from kvmesh.common import offload
 from kvmesh.common.chunk_codec import VALUE_LAYOUT, ChunkHeader, CorruptChunk
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.redact import redact_url
+from kvmesh.common.transport.tcp_address import host_ports
 from kvmesh.services.worker.tiers.remote_connector import (
     Fetched,
     StoreFull,
     ValueRefused,
-    host_ports,
 )
 
 DEFAULT_PORT = 6379

@@ -90,6 +90,32 @@ def check_prefix_reuse(model_config: Any) -> None:
     )
 
 
+def check_parallelism(model_config: Any, parallel_config: Any) -> None:
+    """Refuse the parallel layouts kvmesh would serve wrong KV or none under.
+
+    - Context parallelism (decode or prefill): each rank holds a share of every
+      request's tokens, and the scheduler's blocks span the ranks; kvmesh keys and
+      places a rank's KV as if it held every token of its blocks (and, for MLA, would
+      broadcast rank 0's share over the others').
+    - MLA under pipeline parallelism: kvmesh keeps one copy of the latent KV, stored by
+      rank 0 and broadcast over its tensor-parallel group; a stage past the first has
+      no rank 0, so it would never load or save and every hit would be a failed load.
+    """
+    pc = parallel_config
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if getattr(pc, name) > 1:
+            raise ValueError(
+                f"kvmesh does not support context parallelism ({name}={getattr(pc, name)}); "
+                "serve without it, or without the kvmesh connector."
+            )
+    if model_config.use_mla and pc.pipeline_parallel_size > 1:
+        raise ValueError(
+            f"kvmesh does not support MLA models with pipeline parallelism "
+            f"(pipeline_parallel_size={pc.pipeline_parallel_size}); use tensor parallelism "
+            "only, or serve without the kvmesh connector."
+        )
+
+
 def instance_id_for(vllm_config: VllmConfig, configured: str | None) -> str:
     """The configured id, else vLLM's engine id (shared by the scheduler and its
     workers), per data-parallel rank."""
@@ -121,6 +147,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         check_one_kv_cache_group(kv_cache_config)
         check_prefix_reuse(vllm_config.model_config)
+        check_parallelism(vllm_config.model_config, vllm_config.parallel_config)
         kvt = self._kv_transfer_config
         options, cfg = parse_extra_config(kvt.kv_connector_extra_config)
         self.kvmesh_config = cfg

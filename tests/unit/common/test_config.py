@@ -151,7 +151,8 @@ def test_cross_field_rules_apply_to_direct_construction() -> None:
         CacheServerConfig(max_memory=ByteSize("1GiB"), max_value_size=ByteSize("2GiB"))
     with pytest.raises(RuleError):
         L1Config(max_size=ByteSize(0))
-    assert L1Config(enabled=False, max_size=ByteSize(0)).max_size == 0
+    with pytest.raises(RuleError, match="L1 cannot be turned off"):
+        L1Config(enabled=False, max_size=ByteSize(0))
 
 
 # --- precedence ------------------------------------------------------------------------
@@ -322,7 +323,9 @@ def test_cross_field_rule_names_both_sources(tmp_path: Path) -> None:
 def test_l1_rule(tmp_path: Path) -> None:
     err = load_error(overrides={"engine.l1.max_size": 0})
     assert err.key == "engine.l1.max_size"
-    assert load_config(env={}, overrides={"engine.l1": {"enabled": False, "max_size": 0}})
+    # Off, the engine failed at start (a pool of 0 bytes) or kept using the pool.
+    err = load_error(overrides={"engine.l1": {"enabled": False, "max_size": "1GiB"}})
+    assert err.key == "engine.l1.enabled" and "cannot be turned off" in str(err)
 
 
 def test_peer_idle_s_must_outlast_a_read(tmp_path: Path) -> None:

@@ -19,11 +19,12 @@ from kvmesh.common.chunk_codec import ChunkHeader
 from kvmesh.common.config import EngineConfig, L1Config, RemoteConfig
 from kvmesh.common.keys import ChunkKey
 from kvmesh.common.memory import HostMemoryPool, MemoryFormat
+from kvmesh.common.transport.tcp_address import host_ports
 from kvmesh.services.worker.engine import KVEngine
 from kvmesh.services.worker.loop_thread import LoopThread
 from kvmesh.services.worker.tiers import remote_presence
 from kvmesh.services.worker.tiers.remote import RemoteTier
-from kvmesh.services.worker.tiers.remote_connector import Fetched, host_ports, make_connector
+from kvmesh.services.worker.tiers.remote_connector import Fetched, make_connector
 from kvmesh.services.worker.tiers.remote_presence import PresenceCache
 
 NS = "00112233445566ff"

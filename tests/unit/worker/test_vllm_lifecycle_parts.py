@@ -258,6 +258,27 @@ def test_a_hybrid_model_is_refused_at_start() -> None:
         check_one_kv_cache_group(SimpleNamespace(kv_cache_groups=["full", "sliding"]))
 
 
+def test_mla_under_pipeline_and_any_model_under_context_parallelism_are_refused() -> None:
+    """MLA KV is kept once, by rank 0 of the tensor-parallel group: a pipeline stage
+    past the first (other layers, no rank 0) would never load or save. Under context
+    parallelism a rank holds a share of each block's tokens, which kvmesh would key and
+    place as whole blocks. vLLM's own config classes, so a renamed field fails here."""
+    from vllm.config import ParallelConfig
+
+    from kvmesh.services.worker.vllm.connector import check_parallelism
+
+    mla, dense = SimpleNamespace(use_mla=True), SimpleNamespace(use_mla=False)
+    check_parallelism(mla, ParallelConfig(tensor_parallel_size=2))
+    check_parallelism(dense, ParallelConfig(pipeline_parallel_size=4))
+    with pytest.raises(ValueError, match="MLA models with pipeline parallelism"):
+        check_parallelism(mla, ParallelConfig(pipeline_parallel_size=2))
+    for field in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        pc = ParallelConfig()
+        setattr(pc, field, 2)  # set after construction: vLLM checks the world it needs
+        with pytest.raises(ValueError, match=f"context parallelism \\({field}=2\\)"):
+            check_parallelism(dense, pc)
+
+
 @pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
 def test_a_save_over_blocks_whose_load_failed_is_not_stored(workers, layerwise: bool) -> None:  # noqa: F811
     """vLLM caches a loading request's blocks at once, so a request B scheduled in the
