@@ -76,8 +76,8 @@ def redact_text(text: str, url: str = "") -> str:
         text = text.replace(url, shown)
         password = url.partition("://")[2].rpartition("@")[0].partition(":")[2]
         # Its raw copies too, and its pieces, as a client that cut the URL at a '/', '?'
-        # or '#' in it quotes them (a short piece would hide words).
-        for piece in sorted({password, *re.split(r"[/?#]", password)}, key=len, reverse=True):
+        # '#' or ',' in it quotes them (a short piece would hide words).
+        for piece in sorted({password, *re.split(r"[/?#,]", password)}, key=len, reverse=True):
             if len(piece) >= 4:
                 text = text.replace(piece, HIDDEN)
     return _USERINFO.sub(_hide_userinfo, text)

@@ -124,7 +124,7 @@ def add_file(layers: Layers, path: str | os.PathLike[str]) -> None:
         if isinstance(node, yaml.MappingNode):
             # Before construct_document, which rewrites a merge key (<<) in place into
             # the keys it brings: walked after, they would read as written twice.
-            _key_lines(node, (), lines, layers, shown, set())
+            _key_lines(node, (), lines, layers, shown, (set(), set()))
         data = loader.construct_document(node) if node is not None else None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
@@ -188,9 +188,10 @@ def _key_lines(
     out: dict[Key, int],
     layers: Layers,
     path: str,
-    on_path: set[int],
+    walked: tuple[set[int], set[int]],
 ) -> None:
-    """Record the line of every key; a key written twice is an issue (YAML keeps the last)."""
+    """Record the line of every key; a key written twice is an issue (YAML keeps the last).
+    walked: (the collection nodes on the path here, every one walked so far)."""
     for key_node, value_node in node.value:
         if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == _YAML_MERGE:
             continue
@@ -205,11 +206,16 @@ def _key_lines(
                 )
             )
         out[key] = line
-        _value_lines(value_node, key, out, layers, path, on_path)
+        _value_lines(value_node, key, out, layers, path, walked)
 
 
 def _value_lines(
-    node: yaml.Node, key: Key, out: dict[Key, int], layers: Layers, path: str, on_path: set[int]
+    node: yaml.Node,
+    key: Key,
+    out: dict[Key, int],
+    layers: Layers,
+    path: str,
+    walked: tuple[set[int], set[int]],
 ) -> None:
     if isinstance(node, yaml.ScalarNode):
         if node.tag == _YAML_INT and node.style is None:
@@ -218,16 +224,25 @@ def _value_lines(
                 where = Source("file", f"{path}, line {node.start_mark.line + 1}")
                 layers.issues.append(ConfigIssue(dotted(key), where, problem))
         return
+    on_path, seen = walked
     if id(node) in on_path:
-        return  # an anchor holding itself (`&t [*t]`): the config refuses it later
+        # An anchor holding itself (`&e {l1: *e}`): an endless value.
+        raise _file_error(
+            path,
+            f"{dotted(key)}: an alias inside its own anchor",
+            f"line {node.start_mark.line + 1}",
+        )
+    if id(node) in seen:
+        return  # another alias of a node walked already: aliases of aliases add up fast
     on_path.add(id(node))
+    seen.add(id(node))
     if isinstance(node, yaml.MappingNode):
-        _key_lines(node, key, out, layers, path, on_path)
+        _key_lines(node, key, out, layers, path, walked)
     elif isinstance(node, yaml.SequenceNode):
         # A list item's keys (engine.tiers[0].plugin) are checked for duplicates too;
         # the list itself stays the one leaf a layer sets.
         for i, item in enumerate(node.value):
-            _value_lines(item, (*key[:-1], f"{key[-1]}[{i}]"), out, layers, path, on_path)
+            _value_lines(item, (*key[:-1], f"{key[-1]}[{i}]"), out, layers, path, walked)
     on_path.discard(id(node))
 
 

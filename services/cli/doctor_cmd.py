@@ -34,7 +34,6 @@ import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Any
-from urllib.parse import urlsplit
 
 import click
 import psutil
@@ -45,6 +44,7 @@ from kvmesh.common.transport.curve import CurveKeys
 from kvmesh.common.transport.tcp_address import (
     cacheserver_endpoint,
     host_part,
+    host_ports,
     local_host,
     tcp_endpoint,
 )
@@ -197,12 +197,15 @@ DEFAULT_PORTS = {"redis": 6379, "rediss": 6379, "redis-cluster": 6379}
 def _host_port(scheme: str, rest: str) -> tuple[str, int]:
     """The first server of a remote URL (`rest`: what follows `scheme://`); ValueError
     when it names no port and the scheme has no default."""
-    hostport = rest.split("/", 1)[0].split(",", 1)[0].rsplit("@", 1)[-1]
-    parts = urlsplit(f"//{hostport}")
-    port = parts.port or DEFAULT_PORTS.get(scheme.lower())
-    if port is None:
-        raise ValueError(f"no port in {scheme}://{rest}")
-    return parts.hostname or "127.0.0.1", port
+    default = DEFAULT_PORTS.get(scheme.lower())
+    if default is None:
+        raise ValueError(f"no default port for {scheme}://")
+    # After the last '@' first: a password may hold '/', '?', '#' or ','.
+    hosts = rest.rpartition("@")[2]
+    for end in "/?#":
+        hosts = hosts.split(end, 1)[0]
+    # As the connectors read it (host_ports): IPv6 bare or bracketed, empty parts skipped.
+    return host_ports(hosts, default)[0]
 
 
 async def _tcp_url(scheme: str, rest: str, timeout_s: float) -> dict[str, Any]:

@@ -184,32 +184,29 @@ def check_memory(cfg: KvmeshConfig) -> list[Check]:
     avail = psutil.virtual_memory().available
     l1 = cfg.engine.l1
     out = []
-    if l1.enabled:
-        need = int(l1.max_size) + int(l1.reserve)
-        sizes = (
-            f"l1.max_size {human_size(int(l1.max_size))} + reserve {human_size(int(l1.reserve))}"
+    need = int(l1.max_size) + int(l1.reserve)
+    sizes = f"l1.max_size {human_size(int(l1.max_size))} + reserve {human_size(int(l1.reserve))}"
+    if need <= avail:
+        out.append(Check("memory", "ok", f"{sizes} fits in {human_size(avail)} available"))
+    elif int(l1.max_size) > avail - int(l1.reserve) and avail > int(l1.reserve):
+        # The pool shrinks to what is left, so this is a smaller cache, not a failure.
+        out.append(
+            Check(
+                "memory",
+                "warn",
+                f"{sizes} exceeds {human_size(avail)} available: "
+                "L1 will be smaller than configured; lower engine.l1.max_size",
+            )
         )
-        if need <= avail:
-            out.append(Check("memory", "ok", f"{sizes} fits in {human_size(avail)} available"))
-        elif int(l1.max_size) > avail - int(l1.reserve) and avail > int(l1.reserve):
-            # The pool shrinks to what is left, so this is a smaller cache, not a failure.
-            out.append(
-                Check(
-                    "memory",
-                    "warn",
-                    f"{sizes} exceeds {human_size(avail)} available: "
-                    "L1 will be smaller than configured; lower engine.l1.max_size",
-                )
+    else:
+        out.append(
+            Check(
+                "memory",
+                "fail",
+                f"{sizes}: {human_size(avail)} available leaves "
+                "nothing for L1; lower engine.l1.reserve or free memory",
             )
-        else:
-            out.append(
-                Check(
-                    "memory",
-                    "fail",
-                    f"{sizes}: {human_size(avail)} available leaves "
-                    "nothing for L1; lower engine.l1.reserve or free memory",
-                )
-            )
+        )
     mm = int(cfg.cacheserver.max_memory)
     total = psutil.virtual_memory().total
     if mm > total:

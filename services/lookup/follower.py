@@ -333,6 +333,10 @@ class IndexFollower:
             # the last push received still shows one lost.
             if tick.seq > self._held_to:
                 self._trigger("gap", f"tick at {tick.seq}, pushes received to {self._held_to}")
+            elif tick.seq < self._held_to:
+                # Ticks and pushes share one ordered socket: this one was sent after
+                # the pushes held, with a lower seq. The controller went back.
+                self._trigger("diverged", f"tick at {tick.seq} behind pushes to {self._held_to}")
             elif self._held_tick is None or sent > self._held_tick[1]:
                 self._held_tick = (tick.seq, sent)
         elif tick.seq > self.seq:
@@ -363,12 +367,14 @@ class IndexFollower:
         since_yield = 0  # chunks applied since the last step: many small runs are one
         for kind, tier, raw in push.runs:
             ints = unpack_ints(raw)
-            for start in range(0, len(ints), WALK_STEP):
-                step = ints[start : start + WALK_STEP]
+            start = 0
+            while start < len(ints):
+                step = ints[start : start + WALK_STEP - since_yield]
+                start += len(step)
                 index.apply(w, kind, tier, step)
                 self.stats.events.inc(len(step))
                 since_yield += len(step)
-                if since_yield >= WALK_STEP:
+                if since_yield == WALK_STEP:
                     since_yield = 0
                     yield
 

@@ -11,7 +11,6 @@ on this host, bitwise equal, over the ZMQ channel and over NIXL.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -315,9 +314,8 @@ def _cli(*args: str) -> tuple[int, str]:
 @pytest.fixture
 def netns6() -> Iterator[tuple[str, str]]:
     """A network namespace with IPv6 addresses only: (name, its address)."""
-    tag = os.getpid() % 250 + 1
-    with veth_namespace("kv6ns", HOST_IP6, NS_IP6, 64) as name:
-        yield name, NS_IP6.format(tag)
+    with veth_namespace("kv6ns", HOST_IP6, NS_IP6, 64) as ns:
+        yield ns
 
 
 def _node(tmp: Path, prefix: list[str], **cfg: Any) -> KvtestProcess:

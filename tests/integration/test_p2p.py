@@ -9,7 +9,6 @@ wrong KV, a hang past the deadline, or a dead server.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,9 +54,8 @@ class NodeProcess(KvtestProcess):
 @pytest.fixture
 def netns() -> Iterator[tuple[str, str]]:
     """A network namespace joined to this one by a veth pair: (name, its address)."""
-    tag = os.getpid() % 250 + 1
-    with veth_namespace("kvp2p", HOST_IP, NS_IP, 24) as name:
-        yield name, NS_IP.format(tag)
+    with veth_namespace("kvp2p", HOST_IP, NS_IP, 24) as ns:
+        yield ns
 
 
 @pytest.fixture

@@ -69,3 +69,26 @@ def test_redact_text_hides_the_pieces_of_a_password_a_client_cut() -> None:
     url = "redis://:Zm9v/YmFy+cXV4@cache.internal:6379/0"
     said = "ValueError: Port could not be cast to integer value as 'Zm9v'"
     assert "Zm9v" not in redact_text(said, url)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "rest", "first"),
+    [
+        ("redis", "u:s3cr,etpass@h1:6379", ("h1", 6379)),
+        ("redis", "u:pa/ss@h:1/0", ("h", 1)),
+        ("redis-cluster", "fd00::5:7000,h2:7001", ("fd00::5", 7000)),
+        ("redis-cluster", ",a:7001", ("a", 7001)),
+        ("rediss", "h", ("h", 6379)),
+    ],
+)
+def test_doctor_dials_the_first_server_the_connector_would(scheme, rest, first) -> None:
+    """doctor had a parser of its own: it cut a password at a ',' (and printed the
+    piece), refused a bare IPv6 cluster node and checked 127.0.0.1 for ',a:7001'."""
+    from kvmesh.services.cli.doctor_cmd import _host_port
+
+    assert _host_port(scheme, rest) == first
+
+
+def test_a_password_piece_cut_at_a_comma_is_hidden() -> None:
+    url = "redis://u:s3cret,passw@h1:6379"
+    assert "s3cret" not in redact_text("Port could not be cast: 's3cret'", url)

@@ -15,6 +15,7 @@ shares prefix_counts with the index, so it cannot catch a fault there: this one 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from dataclasses import dataclass, field
 
@@ -252,6 +253,30 @@ def test_a_batch_of_many_small_runs_yields_per_walk_step_chunks_not_per_run() ->
     asyncio.run(run())
     assert index.chunks == n and f.seq == 1
     assert 3 <= turns <= 5, turns  # one a step of WALK_STEP chunks, not 24,576
+
+
+def test_a_tick_behind_the_pushes_held_is_a_resync_not_a_confirmation() -> None:
+    index = ChunkIndex()
+    index.join(proto.IndexWorker("a/0", "a", 0, 1, [NS[0]]))
+    f = _follower(index)
+    raw = pack_ints([folded(NS[0], i) for i in range(2 * WALK_STEP)])
+    big = proto.IndexEvents(0, "e", 1, "a/0", [(proto.EventKind.ADMIT, "l1", raw)])
+    later = proto.IndexEvents(0, "e", 2, "a/0", [(proto.EventKind.EVICT, "l1", raw[:8])])
+
+    async def run() -> None:
+        f._take(big)
+        f._take(later)
+        f._pinged[1] = 1.0
+        # Sent after push 2 on the same ordered socket, yet at seq 1: the controller
+        # went back.
+        f._on_tick(proto.IndexTick(1, "e", 1))
+        if f._replacing is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await f._replacing
+
+    asyncio.run(run())
+    assert f._resync.is_set() and f._resync_reason.startswith("diverged"), f._resync_reason
+    assert f._confirmed < 1.0
 
 
 def test_a_large_event_batch_for_an_unknown_worker_asks_for_a_resync() -> None:
