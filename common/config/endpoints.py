@@ -13,10 +13,10 @@ them when it loads, the way each client will read them:
 
 from __future__ import annotations
 
-import ipaddress
 from urllib.parse import unquote
 
 from kvmesh.common.redact import redact_url
+from kvmesh.common.transport.tcp_address import is_ipv6
 
 MAX_PORT = 65535
 
@@ -32,14 +32,6 @@ def port_problem(port: str) -> str | None:
     return None
 
 
-def _is_ipv6(text: str) -> bool:
-    try:
-        ipaddress.IPv6Address(text)
-    except ValueError:
-        return False
-    return True
-
-
 def host_port_problem(part: str, *, bare_ipv6: bool, port_required: bool = False) -> str | None:
     """Why `part` is not `host[:port]` or `[ipv6][:port]`; None when it is.
 
@@ -52,7 +44,7 @@ def host_port_problem(part: str, *, bare_ipv6: bool, port_required: bool = False
         return f"{part!r} holds a space"
     if part.startswith("["):
         host, bracket, rest = part[1:].partition("]")
-        if not bracket or not _is_ipv6(host.partition("%")[0]):
+        if not bracket or not is_ipv6(host.partition("%")[0]):
             return f"{part!r}: expected [an IPv6 address] in the brackets"
         if rest and not rest.startswith(":"):
             return f"{part!r}: expected :port after the ]"
@@ -60,7 +52,7 @@ def host_port_problem(part: str, *, bare_ipv6: bool, port_required: bool = False
         has_port = bool(rest)
     elif part.count(":") > 1:
         host, _, port = part.rpartition(":")
-        if not bare_ipv6 or not _is_ipv6(host):
+        if not bare_ipv6 or not is_ipv6(host):
             return f"{part!r}: write an IPv6 address in brackets, as [::1]:6379"
         has_port = True
     else:

@@ -111,12 +111,24 @@ class ScriptedBackend(HttpBackend):
         return out
 
 
-def rss_mib(bridge: BridgeProcess) -> float:
-    assert bridge.proc is not None
-    for line in Path(f"/proc/{bridge.proc.pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
+class Growth:
+    """How far the bridge's resident memory has peaked above where it stood when made:
+    the kernel's high-water mark (VmHWM), reset here, so no sampling can miss a spike."""
+
+    def __init__(self, bridge: BridgeProcess) -> None:
+        assert bridge.proc is not None
+        self._proc = Path(f"/proc/{bridge.proc.pid}")
+        (self._proc / "clear_refs").write_text("5")  # VmHWM back to the current RSS
+        self._base = self._kib("VmRSS")
+
+    def _kib(self, field: str) -> int:
+        for line in (self._proc / "status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1])
+        raise AssertionError(f"no {field}")
+
+    def mib(self) -> float:
+        return (self._kib("VmHWM") - self._base) / 1024
 
 
 def metrics(bridge: BridgeProcess) -> dict[str, float]:
@@ -166,7 +178,7 @@ def test_a_large_plain_answer_goes_through_at_the_client_s_pace(plain) -> None:
     bridge, prefiller, decoder = plain
     prefiller.mode, decoder.mode = "fail", "big"
     decoder.big_bytes = 256 * MIB
-    base = rss_mib(bridge)
+    growth = Growth(bridge)
     body = json.dumps(COMPLETION).encode()
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
@@ -175,12 +187,8 @@ def test_a_large_plain_answer_goes_through_at_the_client_s_pace(plain) -> None:
         sock.sendall(post_head("/v1/completions", body) + body)
         # The client reads nothing for 3 s: a bridge holding the whole answer grows by
         # its 256 MiB meanwhile; one that passes it on waits on the client.
-        peak = base
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 3:
-            peak = max(peak, rss_mib(bridge))
-            time.sleep(0.05)
-        assert peak - base < 64, f"the bridge grew by {peak - base:.0f} MiB"
+        time.sleep(3)
+        assert growth.mib() < 64, f"the bridge grew by {growth.mib():.0f} MiB"
         sock.settimeout(30)
         got = b""
         while b"\r\n\r\n" not in got:
@@ -190,11 +198,10 @@ def test_a_large_plain_answer_goes_through_at_the_client_s_pace(plain) -> None:
         n = len(rest)
         while chunk := sock.recv(1 << 20):
             n += len(chunk)
-            peak = max(peak, rss_mib(bridge)) if n % (32 * MIB) < (1 << 20) else peak
     finally:
         sock.close()
     assert n >= 256 * MIB  # all of it (chunked framing adds a little)
-    assert peak - base < 64, f"the bridge grew by {peak - base:.0f} MiB"
+    assert growth.mib() < 64, f"the bridge grew by {growth.mib():.0f} MiB"
     wait_for(lambda: inflight(bridge) == 0, 10, "nothing in flight")
     assert bridge.alive()
 
@@ -203,23 +210,10 @@ def test_a_large_prefill_answer_is_thrown_away_as_it_arrives(plain) -> None:
     bridge, prefiller, decoder = plain
     prefiller.mode, decoder.mode = "big", "sse"
     prefiller.big_bytes, decoder.events = 256 * MIB, 3
-    base = rss_mib(bridge)
-    peak = base
-    done: list[tuple[int, bytes]] = []
-
-    def call() -> None:
-        body = {**COMPLETION, "stream": True}
-        done.append(bridge_request(bridge, body))
-
-    caller = threading.Thread(target=call)
-    caller.start()
-    while caller.is_alive():
-        peak = max(peak, rss_mib(bridge))
-        time.sleep(0.02)
-    caller.join()
-    status, raw = done[0]
+    growth = Growth(bridge)
+    status, raw = bridge_request(bridge, {**COMPLETION, "stream": True})
     assert status == 200 and raw.count(b"data: ") == 4, raw[:300]
-    assert peak - base < 64, f"the bridge grew by {peak - base:.0f} MiB"
+    assert growth.mib() < 64, f"the bridge grew by {growth.mib():.0f} MiB"
     wait_for(lambda: inflight(bridge) == 0, 10, "nothing in flight")
 
 
@@ -318,23 +312,16 @@ def test_200_streams_with_stalled_clients_finish_and_leave_exact_counters(pair) 
     for d in decoders:
         d.mode, d.delay_s = "sse", 0.05
     before = outcomes(bridge)
-    base = rss_mib(bridge)
+    growth = Growth(bridge)
     readers, stalled = 170, 40
     small = {**COMPLETION, "stream": True, "events": 20, "event_bytes": 256}
     # Endless for a client that reads nothing: the bridge must drop it after
     # decode_timeout_s (3 s) and end the decoder's request.
     huge = {**COMPLETION, "stream": True, "events": 10**6, "event_bytes": 4096, "delay_s": 0}
-    peak = [base]
     dropped_after = [0.0]
 
     async def main() -> list[tuple[float, bytes]]:
-        async def watch() -> None:
-            while True:
-                peak[0] = max(peak[0], rss_mib(bridge))
-                await asyncio.sleep(0.1)
-
         hold = asyncio.Event()
-        watcher = asyncio.create_task(watch())
         t0 = time.monotonic()
         held = [asyncio.create_task(stream_once(bridge.port, huge, hold)) for _ in range(stalled)]
         try:
@@ -351,7 +338,6 @@ def test_200_streams_with_stalled_clients_finish_and_leave_exact_counters(pair) 
         finally:
             hold.set()
             await asyncio.gather(*held)
-            watcher.cancel()
 
     answered = asyncio.run(main())
     slowest = max(s for s, _ in answered)
@@ -371,9 +357,9 @@ def test_200_streams_with_stalled_clients_finish_and_leave_exact_counters(pair) 
     assert sum(after.values()) - sum(before.values()) == readers + stalled
     status, raw = bridge.get("/transfers")
     assert status == 200 and json.loads(raw) == []
-    assert peak[0] - base < 200, f"the bridge grew by {peak[0] - base:.0f} MiB"
+    assert growth.mib() < 200, f"the bridge grew by {growth.mib():.0f} MiB"
     print(
-        f"slowest {slowest:.2f}s, growth {peak[0] - base:.0f} MiB, shares {shares}, "
+        f"slowest {slowest:.2f}s, growth {growth.mib():.0f} MiB, shares {shares}, "
         f"stalled dropped after {dropped_after[0]:.1f}s"
     )
 
@@ -447,18 +433,10 @@ def test_a_small_plain_answer_to_a_client_that_reads_nothing_is_dropped_at_the_d
 def test_a_huge_model_list_is_refused_not_buffered(plain) -> None:
     bridge, _, decoder = plain
     decoder.mode, decoder.big_bytes = "big", 256 * MIB
-    base = rss_mib(bridge)
-    peak = base
-    done: list[tuple[int, bytes]] = []
-    caller = threading.Thread(target=lambda: done.append(bridge.get("/v1/models")))
-    caller.start()
-    while caller.is_alive():
-        peak = max(peak, rss_mib(bridge))
-        time.sleep(0.02)
-    caller.join()
-    status, raw = done[0]
+    growth = Growth(bridge)
+    status, raw = bridge.get("/v1/models")
     assert status == 502 and b"over 16777216 bytes" in raw, raw[:300]
-    assert peak - base < 64, f"the bridge grew by {peak - base:.0f} MiB"
+    assert growth.mib() < 64, f"the bridge grew by {growth.mib():.0f} MiB"
 
 
 def test_a_client_gone_before_the_first_byte_ends_the_decoder_s_request(plain) -> None:

@@ -20,7 +20,7 @@ import zmq
 from kvtest.controller import ControllerProcess, build_engine, store, tokens
 from kvtest.fake_controller import FakeController
 from kvtest.waiting import wait_for
-from test_lookup_index import NS, WORKER, LookupProcess, best, h, hits, packed
+from test_lookup_index import NS, WORKER, LookupProcess, best, h, hits, index_hits, packed
 
 from kvmesh.common.chunk_holders import WALK_STEP, pack_ints
 from kvmesh.common.protocol import controller as cproto
@@ -59,10 +59,7 @@ def test_a_large_event_batch_goes_in_in_steps_and_the_pushes_after_it_follow(
         try:
 
             def answer() -> list[tuple[str, int]] | None:
-                reply = best(service.url, hashes=HASHES)
-                if not isinstance(reply, proto.BestInstancesReply) or reply.source != "index":
-                    return None
-                return hits(reply)
+                return index_hits(service.url, hashes=HASHES)
 
             wait_for(lambda: answer() == [("a", 16)], 20, "the snapshot's two chunks")
             # Chunks 2..5 inside a batch of 4 steps' worth of others, then 3 evicted
@@ -118,10 +115,7 @@ def test_a_late_lookup_server_agrees_and_a_leaving_engine_is_dropped_from_both(
         want = [("inst-a", 32), ("inst-b", 16)]
 
         def answer(service: LookupProcess) -> list[tuple[str, int]] | None:
-            reply = best(service.url, tokens=prompt)
-            if not isinstance(reply, proto.BestInstancesReply) or reply.source != "index":
-                return None
-            return hits(reply)
+            return index_hits(service.url, tokens=prompt)
 
         wait_for(lambda: answer(early) == want, 20, "the early server sees both stores")
         # Joining after every push it never saw: it starts from the snapshot.

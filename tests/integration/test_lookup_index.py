@@ -97,6 +97,15 @@ def hits(reply: Any) -> list[tuple[str, int]]:
     return [(i.instance_id, i.hit_tokens) for i in reply.instances]
 
 
+def index_hits(url: str, **kw: Any) -> list[tuple[str, int]] | None:
+    """What the lookup-server's own index answers (None while it answers otherwise:
+    an error, or from the controller)."""
+    reply = best(url, **kw)
+    if not isinstance(reply, proto.BestInstancesReply) or reply.source != "index":
+        return None
+    return hits(reply)
+
+
 def controller_prefix_counts(controller: ControllerProcess) -> float:
     with urllib.request.urlopen(controller.http + "/metrics", timeout=5) as r:
         text = r.read().decode()
@@ -215,10 +224,7 @@ def test_gaps_epochs_malformed_frames_and_silence(tmp_path: Path) -> None:
         try:
 
             def answer() -> list[tuple[str, int]] | None:
-                reply = best(service.url, hashes=HASHES)
-                if not isinstance(reply, proto.BestInstancesReply) or reply.source != "index":
-                    return None
-                return hits(reply)
+                return index_hits(service.url, hashes=HASHES)
 
             wait_for(lambda: answer() == [("a", 16)], 20, "the snapshot's two chunks")
             assert fake.subscribes == 1

@@ -26,25 +26,13 @@ import numpy as np
 import pytest
 import torch
 import xxhash
+from kvtest.chain import SEED, expected_chain
 
 from kvmesh.common import tokendb
 from kvmesh.common.keys import KeyNamespace
 from kvmesh.common.tokendb import ChunkedTokenDatabase, SegmentTokenDatabase
 
 NS = KeyNamespace(model="audit", kv_layout="KV_2LTD", dtype="bfloat16", world_size=2, rank=1)
-SEED = xxhash.xxh3_128_digest(b"kvmesh/chunk-chain/v1")
-
-
-def reference_chain(tokens: list[int], size: int, unfull: bool) -> list[bytes]:
-    """The documented chain, written out without the module."""
-    prev, out = SEED, []
-    for start in range(0, len(tokens), size):
-        chunk = tokens[start : start + size]
-        if len(chunk) < size and not unfull:
-            break
-        prev = xxhash.xxh3_128_digest(prev + struct.pack(f"<{len(chunk)}I", *chunk))
-        out.append(prev)
-    return out
 
 
 def python_chain(db: ChunkedTokenDatabase, tokens: object) -> list[bytes]:
@@ -69,7 +57,7 @@ def test_a_negated_tensor_view_is_hashed_by_the_ids_it_holds(dtype: torch.dtype)
     view = torch._neg_view(torch.tensor([-t for t in held], dtype=dtype))
     assert view.is_neg() and view.tolist() == held
     db = ChunkedTokenDatabase(NS, chunk_size=2, save_unfull_chunk=True)
-    expected = reference_chain(held, 2, True)
+    expected = expected_chain(held, 2, True)
     assert db.chunk_hashes(view) == expected  # the C helper's path for int64/int32
     assert python_chain(db, view) == expected
     assert tokendb.tokens_to_bytes(view) == struct.pack("<4I", *held)
@@ -207,7 +195,7 @@ def test_random_prompts_key_alike_on_every_input_and_path() -> None:
         top = rng.choice([2**16, 2**31, 2**32])
         tokens = [rng.randrange(top) for _ in range(n)]
         db = ChunkedTokenDatabase(NS, chunk_size=size, save_unfull_chunk=unfull)
-        expected = reference_chain(tokens, size, unfull)
+        expected = expected_chain(tokens, size, unfull)
         for name, given in _inputs(tokens).items():
             assert db.chunk_hashes(given) == expected, (name, n, size, unfull)
             assert python_chain(db, given) == expected, (name, n, size, unfull)

@@ -14,6 +14,7 @@ import torch
 import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kvtest.chain import expected_chain
 
 from kvmesh.common import tokendb
 from kvmesh.common.keys import ChunkKey, KeyNamespace
@@ -47,18 +48,6 @@ def mask_of(n_false: int, n: int) -> torch.Tensor:
 
 
 # --- the hashing scheme, spelled out independently of the module -------------------
-
-
-def expected_chain(tokens: list[int], size: int, unfull: bool = False) -> list[bytes]:
-    prev = xxhash.xxh3_128_digest(b"kvmesh/chunk-chain/v1")
-    out = []
-    for start in range(0, len(tokens), size):
-        chunk = tokens[start : start + size]
-        if len(chunk) < size and not unfull:
-            break
-        prev = xxhash.xxh3_128_digest(prev + struct.pack(f"<{len(chunk)}I", *chunk))
-        out.append(prev)
-    return out
 
 
 @hyp
