@@ -10,20 +10,30 @@ remote_connector.py for connectors).
 Every failure (no such entry point, an import error inside the plugin, a missing
 attribute, a factory that raises or returns the wrong thing) is a PluginError naming the
 plugin and its group, so a misconfigured engine stops at startup with a message that
-says which plugin to fix, rather than later with a bare ImportError.
+says which plugin to fix, rather than later with a bare ImportError. A factory runs
+under a deadline (FACTORY_TIMEOUT_S) on a thread of its own: one that waits forever (a
+store that never answers its connect) fails the start instead of hanging it.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import importlib
 import inspect
 import re
+import sys
+import threading
 from collections.abc import Callable, Iterable
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 TIERS_GROUP = "kvmesh.tiers"
 CONNECTORS_GROUP = "kvmesh.connectors"
+
+# How long a factory (with its module's import) may take before the start fails: a
+# plugin may connect to its store there, but not wait for it forever.
+FACTORY_TIMEOUT_S = 60.0
 
 _MODULE_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
@@ -74,14 +84,68 @@ def load_factory(group: str, spec: str) -> Callable[..., Any]:
 
 
 def build(group: str, spec: str, *args: Any, **kwargs: Any) -> Any:
-    """Call spec's factory; whatever it raises becomes a PluginError naming it."""
-    factory = load_factory(group, spec)
+    """Load and call spec's factory within FACTORY_TIMEOUT_S; whatever it raises, or a
+    factory still running then, is a PluginError naming it. The factory runs on a
+    daemon thread: a stuck one holds up neither this caller nor the process's exit. What
+    it returns after the deadline is closed (a plain `close()`), nobody's to use."""
+
+    device = _cuda_device()
+
+    def load_and_call() -> Any:
+        factory = load_factory(group, spec)
+        try:
+            if device is not None:
+                # A thread starts on CUDA device 0; the factory allocates on the caller's.
+                sys.modules["torch"].cuda.set_device(device)
+            return factory(*args, **kwargs)
+        except Exception as exc:
+            raise PluginError(
+                f"{group} plugin {spec!r} failed to start: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    fut = call_on_daemon(load_and_call, name=f"kvmesh-plugin-start-{spec}")
     try:
-        return factory(*args, **kwargs)
-    except Exception as exc:
+        return fut.result(timeout=FACTORY_TIMEOUT_S)
+    except concurrent.futures.TimeoutError:
+        fut.add_done_callback(_close_late)
         raise PluginError(
-            f"{group} plugin {spec!r} failed to start: {type(exc).__name__}: {exc}"
-        ) from exc
+            f"{group} plugin {spec!r} did not start within {FACTORY_TIMEOUT_S:g}s: its "
+            "factory (or its module's import) is still running; does it wait on something "
+            "that does not answer?"
+        ) from None
+
+
+def _cuda_device() -> int | None:
+    """The caller's current CUDA device, where torch has initialised CUDA (a plugin
+    module is not made to import torch)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    return int(torch.cuda.current_device())
+
+
+def _close_late(fut: concurrent.futures.Future) -> None:
+    if fut.cancelled() or fut.exception() is not None:
+        return
+    close = getattr(fut.result(), "close", None)
+    if callable(close) and not inspect.iscoroutinefunction(close):
+        # The start has failed already: that is the error worth reporting.
+        with contextlib.suppress(Exception):
+            close()
+
+
+def call_on_daemon(fn: Callable[[], Any], name: str) -> concurrent.futures.Future:
+    """fn() on a daemon thread of its own; its result or exception in the future."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn())
+        except BaseException as exc:
+            fut.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return fut
 
 
 def wrong_kinds(

@@ -47,23 +47,32 @@ class Layers:
         self.data: dict[str, Any] = {}
         self.sources: dict[Key, Source] = {}
         self.issues: list[ConfigIssue] = []
+        # The dicts put() made (by id, kept alive so an id is never reused): the others
+        # in `data` came from a layer and may be shared.
+        self._own: dict[int, dict[str, Any]] = {}
 
     def put(self, path: Key, value: Any, source: Callable[[Key], Source]) -> None:
-        """Write `value` at `path`; a mapping is merged key by key, anything else replaces."""
+        """Write `value` at `path`; a mapping is merged key by key, anything else replaces.
+
+        Only a mapping at a section (a Struct in the schema) is walked: anywhere else
+        (an unknown key, a plugin's options) it is one value. Walking those too cost a
+        visit per use of each YAML alias inside them: exponential in nested aliases."""
         node = self.data
         for depth in range(len(path) - 1):
             node = self._branch(node, path[: depth + 1], source)
         key = path[-1]
+        field_type = type_at(self.schema, path)
         # `engine:` with every key under it commented out reads as null; it means
         # "nothing to set here", not "replace the section by null".
-        if value is None and is_struct(type_at(self.schema, path)):
+        if value is None and is_struct(field_type):
             value = {}
-        if isinstance(value, Mapping):
+        if isinstance(value, Mapping) and is_struct(field_type):
             self._branch(node, path, source)
             for child, child_value in value.items():
                 self.put((*path, str(child)), child_value, source)
             return
-        self._forget_below(path)
+        if isinstance(node.get(key), dict):
+            self._forget_below(path)  # the section (or mapping) it replaces
         node[key] = value
         self.sources[path] = source(path)
 
@@ -71,9 +80,16 @@ class Layers:
         child = node.get(path[-1])
         if not isinstance(child, dict):
             # A later layer turning a scalar into a section: the old value is gone.
-            self._forget_below(path)
+            if child is not None:
+                self._forget_below(path)
             child = node[path[-1]] = {}
             self.sources[path] = source(path)
+            self._own[id(child)] = child
+        elif id(child) not in self._own:
+            # A mapping a layer set as one value (which YAML aliases may share with
+            # other keys): a later layer writing into it changes a copy.
+            child = node[path[-1]] = dict(child)
+            self._own[id(child)] = child
         return child
 
     def _forget_below(self, path: Key) -> None:
@@ -125,6 +141,8 @@ def add_file(layers: Layers, path: str | os.PathLike[str]) -> None:
             # Before construct_document, which rewrites a merge key (<<) in place into
             # the keys it brings: walked after, they would read as written twice.
             _key_lines(node, (), lines, layers, shown, (set(), set()))
+        if node is not None:
+            _check_aliases(node, shown)
         data = loader.construct_document(node) if node is not None else None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
@@ -246,6 +264,65 @@ def _value_lines(
     on_path.discard(id(node))
 
 
+# Values that the uses of YAML aliases may add to a file, beyond the values written
+# once: far above any real config, far below what takes a noticeable time to read.
+MAX_ALIAS_VALUES = 100_000
+
+
+def _check_aliases(root: yaml.Node, path: str, kind: str = "file") -> None:
+    """Refuse a file whose aliases expand to more than MAX_ALIAS_VALUES extra values.
+
+    Each use of an alias repeats its anchor's whole value, so a few nested aliases
+    (`&b {x: *a, y: *a}`, then `&c {x: *b, y: *b}`, ...) make a value of billions:
+    whatever reads the loaded value whole (the schema's decoding, an error quoting
+    it, `config check` printing it) would never finish. Each node is walked once;
+    the size of a node met again is taken from its first walk."""
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+    extra = 0
+
+    def refuse(problem: str, line: int) -> ConfigError:
+        if kind == "file":
+            return _file_error(path, problem, f"line {line}")
+        return ConfigError([ConfigIssue("", Source(kind, path), problem)])
+
+    def walk(node: yaml.Node, key: Key, line: int) -> int:
+        nonlocal extra
+        if isinstance(node, yaml.ScalarNode):
+            return 1
+        if id(node) in sizes:
+            extra += sizes[id(node)]
+            if extra > MAX_ALIAS_VALUES:
+                raise refuse(
+                    f"{dotted(key) or 'the document'}: YAML aliases make the {kind} more "
+                    f"than {MAX_ALIAS_VALUES} values larger than written (each use of an "
+                    "alias repeats its anchor's whole value; nested ones multiply): write "
+                    "the values out or use fewer aliases",
+                    line,
+                )
+            return sizes[id(node)]
+        if id(node) in on_path:  # a merge (<<) of its own anchor
+            raise refuse(f"{dotted(key)}: an alias inside its own anchor", line)
+        on_path.add(id(node))
+        size = 1
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                at = key_node.start_mark.line + 1
+                child = key
+                if isinstance(key_node, yaml.ScalarNode) and key_node.tag != _YAML_MERGE:
+                    child = (*key, key_node.value)
+                size += walk(key_node, key, at) + walk(value_node, child, at)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                item_key = (*key[:-1], f"{key[-1]}[{i}]") if key else (f"[{i}]",)
+                size += walk(item, item_key, line)
+        on_path.discard(id(node))
+        sizes[id(node)] = size
+        return size
+
+    walk(root, (), root.start_mark.line + 1)
+
+
 def is_config_var(name: str, schema: type[msgspec.Struct]) -> bool:
     """Whether a KVMESH_* variable is meant to set a config key.
 
@@ -271,16 +348,22 @@ def add_env(layers: Layers, env: Mapping[str, str]) -> None:
         if problem := yaml_int_problem(raw, type_at(layers.schema, path)):
             layers.issues.append(ConfigIssue(dotted(path), Source("env", name), problem))
         layers.put(
-            path, _env_value(raw, type_at(layers.schema, path)), lambda _, n=name: Source("env", n)
+            path,
+            _env_value(raw, type_at(layers.schema, path), name),
+            lambda _, n=name: Source("env", n),
         )
 
 
-def _env_value(raw: str, field_type: Any) -> Any:
+def _env_value(raw: str, field_type: Any, name: str) -> Any:
     # A string field takes the text as written: KVMESH_ENGINE__MODEL_NAME=1.0 or a
     # tenant salt of "yes" must not turn into a float or a bool.
     if field_type is str:
         return raw
     try:
+        if "&" in raw:  # anchors: aliases may multiply the value, as in a file
+            node = yaml.compose(raw, Loader=yaml.SafeLoader)
+            if node is not None:
+                _check_aliases(node, name, "env")
         value = yaml.safe_load(raw)
     except yaml.YAMLError:
         return raw

@@ -51,12 +51,14 @@ def load_config(
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
     overrides_label: str = "override",
+    service: str = "",
 ) -> KvmeshConfig:
     """Build the effective config from defaults, a YAML file, KVMESH_* vars and overrides.
 
     `path` defaults to $KVMESH_CONFIG (no file when unset); `env` defaults to os.environ
     (pass {} to ignore the environment); `overrides` maps dotted keys to values, and
-    `overrides_label` names that layer in error messages.
+    `overrides_label` names that layer in error messages. `service` names the service
+    that will run with it ("lookup", ...), for the checks only that one needs.
     """
     env = os.environ if env is None else env
     if path is None:
@@ -67,7 +69,7 @@ def load_config(
     add_env(layers, env)
     if overrides:
         add_overrides(layers, overrides, overrides_label)
-    return _decode(layers, KvmeshConfig)
+    return _decode(layers, KvmeshConfig, service)
 
 
 def load_section(
@@ -150,7 +152,7 @@ def _add_mapping(layers: Layers, prefix: Key, data: Mapping[str, Any], label: st
         layers.put((*prefix, str(key)), value, lambda leaf: Source(label, dotted(leaf)))
 
 
-def _decode(layers: Layers, schema: type[S]) -> S:
+def _decode(layers: Layers, schema: type[S], service: str = "") -> S:
     known, issues = _split_unknown(layers, schema, (), layers.data)
     issues = layers.issues + issues
     try:
@@ -160,9 +162,43 @@ def _decode(layers: Layers, schema: type[S]) -> S:
     except msgspec.ValidationError as exc:
         issues.append(_issue_from(exc, layers, schema))
     else:
+        if isinstance(cfg, KvmeshConfig):
+            cfg = _lookup_hashing(cfg, layers, issues if service == "lookup" else [])
         if not issues:
             return cfg
     raise ConfigError(issues)
+
+
+# The keys the lookup-server must read as the engines do: it hashes a prompt's tokens
+# into chunk keys itself (best_instances), and keys hashed otherwise are never stored.
+_HASHING_KEYS = ("chunk_size", "hash_algorithm")
+
+
+def _lookup_hashing(cfg: KvmeshConfig, layers: Layers, issues: list[ConfigIssue]) -> KvmeshConfig:
+    """lookup.chunk_size and lookup.hash_algorithm follow the engine's when no layer set
+    them (a config written for both services, or one config_to_dict wrote, stays
+    consistent); set to other values than the engine's, both set, they are an issue.
+    The caller passes issues only for the lookup-server: an engine's host (or a
+    lookup-server's own file that also holds an engine section for elsewhere) may
+    carry a lookup section that is not this process's business."""
+    inherit: dict[str, Any] = {}
+    for name in _HASHING_KEYS:
+        path, other = ("lookup", name), ("engine", name)
+        if other not in layers.sources:
+            continue
+        engine, lookup = getattr(cfg.engine, name), getattr(cfg.lookup, name)
+        if path not in layers.sources:
+            inherit[name] = engine
+        elif engine != lookup:
+            problem = (
+                f"must equal {dotted(other)} ({engine!r}, from {layers.source_of(other)}), "
+                f"got {lookup!r}: the lookup-server would hash prompts into chunk keys the "
+                "engines never store, and find nothing cached"
+            )
+            issues.append(ConfigIssue(dotted(path), layers.source_of(path), problem))
+    if not inherit:
+        return cfg
+    return msgspec.structs.replace(cfg, lookup=msgspec.structs.replace(cfg.lookup, **inherit))
 
 
 def _split_unknown(
@@ -256,11 +292,12 @@ def _choice_problem(value: Any, choices: tuple[Any, ...]) -> str:
 
 def _rule_issue(cause: RuleError, struct_path: Key, layers: Layers) -> ConfigIssue:
     """A cross-field rule: name the field to change and where the fields involved came from."""
-    path = (*struct_path, cause.field)
+    # A rule may name a key of a nested section (p2p.port of the engine's).
+    path = (*struct_path, *cause.field.split("."))
     problem = str(cause)
     set_elsewhere = [
         f"{dotted(p)} was set by {layers.source_of(p)}"
-        for p in ((*struct_path, name) for name in cause.related)
+        for p in ((*struct_path, *name.split(".")) for name in cause.related)
         if p in layers.sources
     ]
     if set_elsewhere:

@@ -8,6 +8,7 @@ docs/configuration.md describes every key; keep the two in step.
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -345,11 +346,83 @@ class EngineConfig(_Section):
                     f"tier name {name!r} is taken (by a built-in tier or another plugin): "
                     "give the plugin a `name`",
                 )
+        # Rank 0's ports: every engine has one. Ranks beyond are checked at engine start
+        # (check_rank_ports), where the world size is known.
+        self.check_rank_ports(1)
+
+    def rank_ports(self, rank: int) -> dict[str, int]:
+        """The TCP ports rank `rank` listens on, by the key each comes from (those set:
+        0 is any free one). Each listener of rank r is on its base port + r."""
+        listeners: dict[str, int] = {}
+        if self.p2p.port and (self.p2p.enabled or self.pd.role in ("receiver", "both")):
+            listeners["p2p.port"] = self.p2p.port + rank
+        if self.metrics_port:
+            listeners["metrics_port"] = self.metrics_port + rank
+        endpoint = self.lookup_endpoint
+        if endpoint.startswith("tcp://"):
+            # As common/protocol/lookup.engine_endpoint reads it: a {rank} in it is the
+            # rank, else the port is the base port + rank.
+            templated = "{rank}" in endpoint
+            port = endpoint.replace("{rank}", str(rank)).rpartition(":")[2]
+            # A {rank} in the address gives each rank an address of its own: its port
+            # can clash with nothing of another rank's.
+            own_address = templated and rank > 0 and "{rank}" in endpoint.rpartition(":")[0]
+            if port.isascii() and port.isdigit() and int(port) and not own_address:
+                listeners["lookup_endpoint"] = int(port) + (0 if templated else rank)
+        return listeners
+
+    def check_rank_ports(self, world_size: int, first: int = 0) -> None:
+        """Raise RuleError when two listeners of the `world_size` ranks of one host
+        (ranks first, first + 1, ...) would take one port (the second bind fails at
+        start, naming no key), or a rank's port is past 65535."""
+        taken: dict[int, list[tuple[str, int]]] = {}
+        for rank in range(first, first + world_size):
+            for key, port in self.rank_ports(rank).items():
+                if port > 65535:
+                    raise RuleError(
+                        key,
+                        f"rank {rank} of {world_size} would listen on port {port} "
+                        "(each rank listens on the base port + its rank): past 65535",
+                    )
+                host = self._listener_host(key)
+                met = [
+                    t for t in taken.get(port, ()) if _hosts_meet(host, self._listener_host(t[0]))
+                ]
+                if met:
+                    other, other_rank = met[0]
+                    where = (
+                        f"with {world_size} ranks, rank {rank}'s {key} and rank "
+                        f"{other_rank}'s {other} are both {port} (each rank listens on the "
+                        "base port + its rank)"
+                        if world_size > 1
+                        else f"must differ from {other} (both are {port})"
+                    )
+                    related = () if other == key else (other,)
+                    raise RuleError(key, f"{where}: keep each listener's ports apart", related)
+                taken.setdefault(port, []).append((key, rank))
+
+    def _listener_host(self, key: str) -> str:
+        if key == "p2p.port":
+            return self.p2p.host
+        if key == "metrics_port":
+            return self.metrics_host
+        return self.lookup_endpoint.removeprefix("tcp://").rpartition(":")[0]
 
     @property
     def keys_partial_chunk(self) -> bool:
         """Whether a prompt's last, partial chunk gets a key (is stored and looked up)."""
         return self.save_unfull_chunk or self.pd.role != "none"
+
+
+def _hosts_meet(a: str, b: str) -> bool:
+    """Whether listeners on hosts a and b can take one port between them: unless both
+    are addresses, and different ones (a name may be either address; the wildcard
+    addresses take every one)."""
+    try:
+        x, y = (ipaddress.ip_address(h.strip("[]")) for h in (a, b))
+    except ValueError:
+        return True
+    return x == y or x.is_unspecified or y.is_unspecified
 
 
 class ControllerConfig(_Section):

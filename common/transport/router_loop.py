@@ -272,7 +272,10 @@ class RouterLoop:
 
 def bind_tcp(sock: zmq.Socket, host: str, port: int) -> int:
     """Bind sock on tcp host:port (port 0: any free one); the port bound. A failed bind
-    closes sock: no caller keeps it, and its context's term() would wait for it."""
+    closes sock: no caller keeps it, and its context's term() would wait for it.
+
+    A host name is resolved here, blocking (tcp_address.bind_host): a caller on an event
+    loop passes `await bind_host_async(host)` instead, an address this binds as it is."""
     try:
         endpoint = f"tcp://{bind_host(host)}"
         set_family(sock, f"{endpoint}:{port}")

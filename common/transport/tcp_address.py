@@ -12,7 +12,9 @@ address, not a name.
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import functools
 import ipaddress
 import socket
 from typing import Any
@@ -68,23 +70,89 @@ def bind(sock: zmq.Socket, endpoint: str) -> None:
     sock.bind(endpoint)
 
 
-def bind_host(host: str) -> str:
-    """host as a ZMQ tcp bind takes it: every IPv4 address as "*", every address of both
-    families as "[::]", an address bracketed, a host name resolved once (libzmq binds
-    interfaces and addresses only), to its IPv4 address where it has one."""
+class UnresolvedHost(OSError):
+    """A bind host that is no address, no interface, and no name that resolves in time.
+    Its errno is the resolver's (EAI_NONAME for no such name, EAI_AGAIN for no answer):
+    `kvmesh serve` tells a config to fix from a passing failure by it."""
+
+    def __init__(self, message: str, code: int | None = socket.EAI_NONAME) -> None:
+        super().__init__(message)
+        self.errno = code
+
+
+RESOLVE_TIMEOUT_S = 5.0  # below the 10 s a service start waits for its bind
+
+
+def _bind_host_without_lookup(host: str) -> str | None:
+    """bind_host's answer where no resolver is asked (None: host is a name to resolve).
+    An interface name ("eth0") goes to libzmq as it is, which binds it before any name,
+    as libzmq itself tries it."""
     if host in EVERY_ADDRESS_V4 or (host in EVERY_ADDRESS and not socket.has_dualstack_ipv6()):
         return "*"
     if is_ipv6(host):
         return host_part(host)
     try:
-        return socket.gethostbyname(host)
-    except OSError:
+        return str(ipaddress.IPv4Address(host))
+    except ValueError:
         pass
     try:
-        infos = socket.getaddrinfo(host, None, socket.AF_INET6, socket.SOCK_STREAM)
-    except OSError:
-        return host  # an interface name ("eth0"), or libzmq's own error names it
-    return host_part(infos[0][4][0])
+        if host in (name for _, name in socket.if_nameindex()):
+            return host
+    except OSError:  # no interface list here: the name is resolved
+        pass
+    return None
+
+
+def _bind_host_of(host: str, infos: list[Any]) -> str:
+    if not infos:
+        raise UnresolvedHost(f"bind host {host!r} resolves to no address")
+    return host_part(ipv4_first(infos)[4][0])
+
+
+def bind_host(host: str) -> str:
+    """host as a ZMQ tcp bind takes it: every IPv4 address as "*", every address of both
+    families as "[::]", an address bracketed, an interface name as it is, a host name
+    resolved once (libzmq binds interfaces and addresses only), to its IPv4 address where
+    it has one. UnresolvedHost for a name that does not resolve.
+
+    This asks the resolver with no deadline, blocking: code on an event loop uses
+    `bind_host_async`, and passes its answer (which this returns as it is)."""
+    quick = _bind_host_without_lookup(host)
+    if quick is not None:
+        return quick
+    try:
+        infos = socket.getaddrinfo(host, None, 0, socket.SOCK_STREAM)
+    except OSError as exc:
+        raise UnresolvedHost(f"bind host {host!r} does not resolve: {exc}", exc.errno) from exc
+    return _bind_host_of(host, infos)
+
+
+async def bind_host_async(host: str, timeout_s: float | None = None) -> str:
+    """`bind_host` for code on an event loop: a name is resolved on a thread of the
+    loop's executor, never on the loop, within timeout_s seconds (RESOLVE_TIMEOUT_S
+    unless given; UnresolvedHost past it: a resolver that does not answer would
+    otherwise hold a service's start)."""
+    if timeout_s is None:
+        timeout_s = RESOLVE_TIMEOUT_S
+    quick = _bind_host_without_lookup(host)
+    if quick is not None:
+        return quick
+    # socket.getaddrinfo on the loop's executor, as asyncio's loop.getaddrinfo does it,
+    # and not loop.getaddrinfo itself: uvloop's goes through libuv instead, and this way
+    # every loop resolves exactly as bind_host does.
+    lookup = functools.partial(socket.getaddrinfo, host, None, 0, socket.SOCK_STREAM)
+    try:
+        infos = await asyncio.wait_for(
+            asyncio.get_running_loop().run_in_executor(None, lookup), timeout_s
+        )
+    except TimeoutError:
+        raise UnresolvedHost(
+            f"bind host {host!r}: the resolver did not answer within {timeout_s:g}s",
+            socket.EAI_AGAIN,
+        ) from None
+    except OSError as exc:
+        raise UnresolvedHost(f"bind host {host!r} does not resolve: {exc}", exc.errno) from exc
+    return _bind_host_of(host, infos)
 
 
 def ipv4_first(infos: list[Any]) -> Any:

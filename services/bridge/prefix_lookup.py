@@ -30,7 +30,7 @@ from kvmesh.common.transport.lookup_service_client import (
     LookupServiceError,
     LookupServiceUnavailable,
 )
-from kvmesh.services.bridge.backends import Backend, describe, read_limited
+from kvmesh.services.bridge.backends import Backend, describe, local_failure, read_limited
 from kvmesh.services.bridge.openai import Endpoint
 from kvmesh.services.bridge.routing import PrefixHits
 
@@ -214,7 +214,8 @@ class PrefixLookup:
                 f"{backend.url}/tokenize: no answer in {self.config.tokenize_timeout_s}s",
             ) from None
         except aiohttp.ClientError as exc:
-            if isinstance(exc, aiohttp.ClientConnectorError):
+            # Not when the bridge itself ran out of file descriptors (ports...).
+            if isinstance(exc, aiohttp.ClientConnectorError) and not local_failure(exc):
                 backend.mark(False, describe(exc))
             raise LookupFailed("tokenize", f"{backend.url}/tokenize: {describe(exc)}") from None
         if resp.status != 200:
@@ -224,6 +225,12 @@ class PrefixLookup:
             # A 4xx is this request's own fault (an unknown model...), not the backend's.
             reason = "tokenize_refused" if 400 <= resp.status < 500 else "tokenize"
             raise LookupFailed(reason, f"{backend.url}/tokenize answered {resp.status}: {text}")
+        encoding = resp.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding != "identity":
+            # The session inflates nothing (server.py) and asked for it plain.
+            raise LookupFailed(
+                "tokenize", f"{backend.url}/tokenize answered in Content-Encoding {encoding!r}"
+            )
         try:
             return _tokenize_reply.decode(answer).tokens
         except msgspec.DecodeError as exc:

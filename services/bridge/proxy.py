@@ -16,9 +16,16 @@ problem: the decode goes out without `pd` and the decoder prefills itself; the
 fallback is counted by reason and logged. A decoder that refuses the connection
 (nothing reached it) is marked down and another one takes the request, without the
 prefill's KV. A failed decode is: 502, or 504 past `decode_timeout_s`, with an
-OpenAI-style error body. The decoder's own answer, errors included, goes back
-unchanged: SSE chunk by chunk when it streams, else in one piece up to
-PLAIN_BUFFER_BYTES and chunk by chunk past it (never held whole in memory).
+OpenAI-style error body; 503 when it never left the bridge, every connection of its
+pool busy for `decode_timeout_s` or none to be opened (out of file descriptors...):
+"saturated". The decoder's own answer, errors
+included, goes back unchanged: SSE chunk by chunk when it streams, else in one piece
+up to PLAIN_BUFFER_BYTES and chunk by chunk past it (never held whole in memory). It
+goes back as the decoder encoded it: the decoder gets the client's Accept-Encoding,
+the client the decoder's Content-Encoding, and the bridge inflates nothing.
+
+Each prefill and decode result feeds passive ejection (backends.py): a backend that
+keeps failing real requests while its /health answers 200 is taken out of rotation.
 """
 
 from __future__ import annotations
@@ -37,7 +44,15 @@ from aiohttp import web
 
 from kvmesh.common.config.schema import BridgeConfig
 from kvmesh.common.observability import get_logger
-from kvmesh.services.bridge.backends import Backend, BackendPool, describe, read_head
+from kvmesh.services.bridge.backends import (
+    Backend,
+    BackendPool,
+    PoolWait,
+    describe,
+    judge_status,
+    local_failure,
+    read_head,
+)
 from kvmesh.services.bridge.openai import BadRequest, Endpoint, error_json, parse_request
 from kvmesh.services.bridge.prefix_lookup import LookupFailed, PrefixLookup
 from kvmesh.services.bridge.request_ids import REQUEST_ID, client_request_id
@@ -59,6 +74,8 @@ SSE = "text/event-stream"
 PLAIN_BUFFER_BYTES = 4 << 20
 # Of a failed prefill's answer, what goes into the log line.
 PREFILL_DETAIL_BYTES = 300
+# A saturated bridge's 503 tells the client to come back after this many seconds.
+SATURATED_RETRY_AFTER_S = 1
 
 _encoder = msgspec.json.Encoder()
 
@@ -347,6 +364,7 @@ class Proxy:
         )
         reason = detail = ""
         t0 = time.perf_counter()
+        generation = prefiller.generation
         with prefiller.busy():
             try:
                 async with self.session.post(
@@ -362,14 +380,24 @@ class Proxy:
                     if not 200 <= resp.status < 300:
                         reason = "status"
                         detail = f"{resp.status}: {answer.decode(errors='replace')}"
+                    failed = judge_status(resp.status)
+                    if failed is not None:
+                        self.prefillers.record(prefiller, failed, generation=generation)
             except TimeoutError:
-                # Not marked down: a busy prefiller is slow, not gone.
+                # Not marked down (nor counted towards ejection): a busy prefiller is
+                # slow, not gone.
                 reason, detail = "timeout", f"no answer in {self.config.prefill_timeout_s}s"
             except aiohttp.ClientConnectorError as exc:
-                reason, detail = "connect", describe(exc)
-                prefiller.mark(False, detail)
+                if local_failure(exc):
+                    # The bridge's own want (file descriptors...), not the prefiller's.
+                    reason, detail = "saturated", describe(exc)
+                else:
+                    reason, detail = "connect", describe(exc)
+                    prefiller.mark(False, detail)
+                    self.prefillers.record(prefiller, detail, generation=generation)
             except aiohttp.ClientError as exc:
                 reason, detail = "error", describe(exc)
+                self.prefillers.record(prefiller, detail, generation=generation)
         seconds = time.perf_counter() - t0
         (self.stats.prefill_failed if reason else self.stats.prefill_ok).observe(seconds)
         if reason:
@@ -389,34 +417,68 @@ class Proxy:
         headers: dict[str, str],
     ) -> web.StreamResponse:
         t0 = time.perf_counter()
+        # The answer comes back as the decoder encodes it (the session inflates
+        # nothing): the decoder may use only what the client can read.
+        accept = request.headers.get("Accept-Encoding", "identity")
+        wait = PoolWait()
+        generation = decoder.generation
         try:
             resp = await self.session.post(
                 decoder.url + PATHS[endpoint],
                 data=data,
-                headers=headers,
+                headers={**headers, "Accept-Encoding": accept},
                 timeout=self._decode_timeout,
+                trace_request_ctx=wait.ctx,
             )
         except aiohttp.ClientConnectorError as exc:
+            if local_failure(exc):
+                # Out of the bridge's own file descriptors (ports, buffers): the decoder
+                # is not to blame, nor would another one fare better.
+                why = f"the bridge could not open a connection: {describe(exc)}"
+                return self._saturated(endpoint, decoder, headers[REQUEST_ID], why)
             decoder.mark(False, describe(exc))
+            self.decoders.record(decoder, describe(exc), generation=generation)
             raise _Refused(exc) from None
         except (TimeoutError, aiohttp.ClientError) as exc:
+            if isinstance(exc, TimeoutError) and wait.queued:
+                why = (
+                    "every one of its connections to the backends was in use for "
+                    f"{self.config.decode_timeout_s}s"
+                )
+                return self._saturated(endpoint, decoder, headers[REQUEST_ID], why)
+            if not isinstance(exc, TimeoutError):
+                self.decoders.record(decoder, describe(exc), generation=generation)
             return self._decode_failed(endpoint, decoder, exc, headers[REQUEST_ID])
         decoder.mark(True)
         async with resp:
             outcome = "ok" if 200 <= resp.status < 300 else "decoder_status"
+            answer = (decoder, generation, resp, t0, outcome, headers[REQUEST_ID])
             if resp.content_type != SSE:
-                return await self._plain(
-                    request, endpoint, decoder, resp, t0, outcome, headers[REQUEST_ID]
-                )
-            return await self._stream(
-                request, endpoint, decoder, resp, t0, outcome, headers[REQUEST_ID]
-            )
+                return await self._plain(request, endpoint, *answer)
+            return await self._stream(request, endpoint, *answer)
+
+    def _judge(
+        self,
+        decoder: Backend,
+        generation: int,
+        resp: aiohttp.ClientResponse,
+        exc: Exception | None,
+    ) -> None:
+        """Passive ejection's view of a decode that got an answer (backends.py says
+        what counts): an answer cut short, or a 502/503/504, is the decoder's failure;
+        a deadline is not (slow, not broken), nor a 500 (maybe the request's fault)."""
+        if isinstance(exc, TimeoutError):
+            return
+        error = describe(exc) if exc is not None else judge_status(resp.status)
+        if error is not None:
+            self.decoders.record(decoder, error, generation=generation)
 
     async def _plain(
         self,
         request: web.Request,
         endpoint: Endpoint,
         decoder: Backend,
+        generation: int,
         resp: aiohttp.ClientResponse,
         t0: float,
         outcome: str,
@@ -437,16 +499,18 @@ class Proxy:
             else:
                 whole = True
         except (TimeoutError, aiohttp.ClientError) as exc:
+            self._judge(decoder, generation, resp, exc)
             return self._decode_failed(endpoint, decoder, exc, request_id)
         self.stats.decode_ttfb.observe(time.perf_counter() - t0)
         out = web.StreamResponse(
-            status=resp.status, headers={"Content-Type": content_type, REQUEST_ID: request_id}
+            status=resp.status, headers=_answer_headers(resp, content_type, request_id)
         )
         if whole:
             out.content_length = len(head)
-        elif "Content-Encoding" not in resp.headers and resp.content_length is not None:
-            # The decoder's own length (the session inflated nothing): a client can tell
-            # an answer cut short, an HTTP/1.0 one too (no chunked framing there).
+        elif resp.content_length is not None:
+            # The decoder's own length (the session inflates nothing, so it is the
+            # length of what is passed on): a client can tell an answer cut short, an
+            # HTTP/1.0 one too (no chunked framing there).
             out.content_length = resp.content_length
         try:
             await self._send(request, out.prepare(request))
@@ -469,10 +533,12 @@ class Proxy:
             log.warning("decoder failed mid-answer", decoder=decoder.url, error=message)
             if request.transport is not None:
                 request.transport.abort()
+            self._judge(decoder, generation, resp, exc)
             self.stats.request(endpoint, outcome)
             return out
         # Counted once the answer is all out: a client gone at the last write is
         # "cancelled" above, not both.
+        self._judge(decoder, generation, resp, None)
         self.stats.request(endpoint, outcome)
         log.debug("request answered", status=resp.status, outcome=outcome)
         return out
@@ -482,6 +548,7 @@ class Proxy:
         request: web.Request,
         endpoint: Endpoint,
         decoder: Backend,
+        generation: int,
         resp: aiohttp.ClientResponse,
         t0: float,
         outcome: str,
@@ -493,17 +560,14 @@ class Proxy:
         try:
             first = await anext(chunks, b"")
         except (TimeoutError, aiohttp.ClientError) as exc:
+            self._judge(decoder, generation, resp, exc)
             return self._decode_failed(endpoint, decoder, exc, request_id)
         self.stats.decode_ttfb.observe(time.perf_counter() - t0)
         content_type = resp.headers.get("Content-Type", SSE)
-        out = web.StreamResponse(
-            status=resp.status,
-            headers={
-                "Content-Type": content_type,
-                "Cache-Control": "no-cache",
-                REQUEST_ID: request_id,
-            },
-        )
+        headers = _answer_headers(resp, content_type, request_id)
+        headers["Cache-Control"] = "no-cache"
+        out = web.StreamResponse(status=resp.status, headers=headers)
+        failure: Exception | None = None
         try:
             await self._send(request, out.prepare(request))
             if first:
@@ -517,9 +581,18 @@ class Proxy:
             log.info("client went away while streaming", error=str(exc))
             return out
         except (TimeoutError, aiohttp.ClientError) as exc:
-            # The status line is gone: say it in the stream, as vLLM does.
+            failure = exc
             status, outcome, message = self._failure(decoder, exc)
             log.warning("decoder failed while streaming", decoder=decoder.url, error=message)
+            if "Content-Encoding" in headers:
+                # A plain event in an encoded stream would be garbage to the client:
+                # the connection is cut instead (a stream without its end).
+                if request.transport is not None:
+                    request.transport.abort()
+                self._judge(decoder, generation, resp, exc)
+                self.stats.request(endpoint, outcome)
+                return out
+            # The status line is gone: say it in the stream, as vLLM does.
             event = b"data: " + error_json(status, message) + b"\n\n"
             with contextlib.suppress(ConnectionResetError):
                 await self._send(request, out.write(event))
@@ -527,6 +600,7 @@ class Proxy:
             await self._send(request, out.write_eof())
         # After the last write: a cancel there (the client gone) is counted by serve()
         # alone.
+        self._judge(decoder, generation, resp, failure)
         self.stats.request(endpoint, outcome)
         log.debug("request streamed", status=resp.status, outcome=outcome)
         return out
@@ -547,6 +621,20 @@ class Proxy:
             raise ConnectionResetError(
                 f"the client read nothing for {self.config.decode_timeout_s}s"
             ) from None
+
+    def _saturated(
+        self, endpoint: Endpoint, decoder: Backend, request_id: str, why: str
+    ) -> web.Response:
+        """The decode never left the bridge: all its outgoing connections were busy
+        (POOL_CONNECTIONS, server.py) for decode_timeout_s, or it could not open one
+        (out of file descriptors...). The bridge's own limit, not the decoder's
+        failure: 503, and the client may retry."""
+        self.stats.request(endpoint, "saturated")
+        message = f"the bridge is saturated: {why}, the request was not sent; retry later"
+        log.warning("bridge saturated, request refused", decoder=decoder.url, error=why)
+        response = error_response(503, message, None, request_id)
+        response.headers["Retry-After"] = str(SATURATED_RETRY_AFTER_S)
+        return response
 
     def _decode_failed(
         self, endpoint: Endpoint, decoder: Backend, exc: BaseException, request_id: str
@@ -584,3 +672,18 @@ class Proxy:
             raise BadRequest(
                 408, f"the request body did not arrive within {self.config.request_timeout_s}s"
             ) from None
+
+
+def _answer_headers(
+    resp: aiohttp.ClientResponse, content_type: str, request_id: str
+) -> dict[str, str]:
+    """The headers of the decoder's answer that go back with it: its type, and its
+    encoding (the bytes are passed on as they came: without the header a client could
+    not read them)."""
+    # Vary: the decoder was asked with the client's Accept-Encoding, so a cache must
+    # not hand this answer to a client that accepts other encodings.
+    headers = {"Content-Type": content_type, REQUEST_ID: request_id, "Vary": "Accept-Encoding"}
+    encoding = resp.headers.get("Content-Encoding")
+    if encoding is not None and encoding.strip().lower() != "identity":
+        headers["Content-Encoding"] = encoding
+    return headers

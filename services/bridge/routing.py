@@ -60,7 +60,11 @@ def choose(
     best_key: tuple[int, int, bool] | None = None
     for b in backends:
         hit = hits.of(b)
-        if b.state == "down" or hit < min_tokens or b.inflight > cap:
+        # An ejected backend (failing its requests) is no better for holding the KV; one
+        # on probation takes one trial request at a time.
+        if b.state == "down" or hit < min_tokens or b.inflight > cap or b.ejected():
+            continue
+        if b.trial_busy() and b is not least:
             continue
         key = (-hit, b.inflight, b is not least)
         if best_key is None or key < best_key:

@@ -37,6 +37,7 @@ from kvmesh.services.bridge.backends import (
     Backend,
     BackendPool,
     describe,
+    pool_trace,
     probe_all,
     read_limited,
 )
@@ -100,7 +101,13 @@ class BridgeServer:
         cfg = self.config
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=POOL_CONNECTIONS, limit_per_host=0),
-            # Answers are decompressed (if a backend compressed them) and go out plain.
+            # Nothing is inflated: a decoder's answer goes to the client as encoded,
+            # with its Content-Encoding (the decode and /v1/models calls carry the
+            # client's Accept-Encoding); every other call asks for it plain.
+            auto_decompress=False,
+            headers={"Accept-Encoding": "identity"},
+            # Tells a decode that timed out waiting for a pooled connection (proxy.py).
+            trace_configs=[pool_trace()],
             # No HTTP proxy from the environment: backends are addressed directly.
             trust_env=False,
         )
@@ -184,6 +191,9 @@ class BridgeServer:
     async def _health_loop(self) -> None:
         while True:
             try:
+                # Cooldowns end on time, requests or not (the ejected gauge with them).
+                self.prefillers.refresh()
+                self.decoders.refresh()
                 await self.refresh_health()
             except Exception:  # a bug here must not end the checks for good
                 log.exception("health check failed")
@@ -224,6 +234,8 @@ class BridgeServer:
         return web.json_response(report, status=200 if report["status"] == "ok" else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        self.prefillers.refresh()
+        self.decoders.refresh()
         return web.Response(
             body=self.stats.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
@@ -240,6 +252,8 @@ class BridgeServer:
         assert self._session is not None
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
         headers = {h: request.headers[h] for h in ("Authorization",) if h in request.headers}
+        # Passed on as encoded (the session inflates nothing): what the client reads.
+        headers["Accept-Encoding"] = request.headers.get("Accept-Encoding", "identity")
         errors = []
         for decoder in self.decoders.by_preference():
             try:
@@ -250,9 +264,12 @@ class BridgeServer:
                     decoder.mark(True)
                     content_type = resp.headers.get("Content-Type", "application/json")
                     self.stats.request("models", "ok" if resp.status == 200 else "decoder_status")
-                    return web.Response(
-                        status=resp.status, body=body, headers={"Content-Type": content_type}
-                    )
+                    # Asked with the client's Accept-Encoding: caches must tell them apart.
+                    out = {"Content-Type": content_type, "Vary": "Accept-Encoding"}
+                    encoding = resp.headers.get("Content-Encoding", "identity")
+                    if encoding.strip().lower() != "identity":
+                        out["Content-Encoding"] = encoding
+                    return web.Response(status=resp.status, body=body, headers=out)
             except TimeoutError:
                 errors.append(f"{decoder.url}: no answer in {self.config.request_timeout_s}s")
             except aiohttp.ClientError as exc:

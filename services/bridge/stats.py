@@ -7,6 +7,7 @@ from kvmesh.common.observability import Metrics
 ENDPOINTS = ("completions", "chat", "models")
 # ok: the decoder answered 2xx; decoder_status: it answered 4xx/5xx (passed through);
 # decoder_failed/decoder_timeout: the bridge answered 502/504; no_decoder: 503;
+# saturated: 503, every connection of the bridge's pool was busy for decode_timeout_s;
 # bad_request: the bridge refused the request (4xx); cancelled: the client went away.
 OUTCOMES = (
     "ok",
@@ -14,6 +15,7 @@ OUTCOMES = (
     "decoder_failed",
     "decoder_timeout",
     "no_decoder",
+    "saturated",
     "bad_request",
     "cancelled",
 )
@@ -22,7 +24,8 @@ OUTCOMES = (
 # the whole prompt (KV-aware routing); or the prefill call failed: no connection, past
 # prefill_timeout_s, a non-2xx answer, another transport error; or the prefill pushed
 # the KV to a decoder that then refused the decode's connection, and another decoder
-# took the request.
+# took the request; or the bridge could not open a connection to the prefiller for
+# want of its own resources (file descriptors...): "saturated".
 FALLBACK_REASONS = (
     "no_prefiller",
     "prefiller_down",
@@ -33,6 +36,7 @@ FALLBACK_REASONS = (
     "status",
     "error",
     "decoder_refused",
+    "saturated",
 )
 ROLES = ("prefiller", "decoder")
 # How a backend was chosen: "kv", its cached prefix of the prompt; "load", the least
@@ -90,6 +94,17 @@ class BridgeStats:
         self.up = m.gauge(
             "bridge_backend_up",
             "1 when the backend's last check or call succeeded",
+            ["role", "backend"],
+        )
+        self.ejected = m.gauge(
+            "bridge_backend_ejected",
+            "1 while the backend is out of rotation after failed requests (passive "
+            "ejection), whatever its /health says",
+            ["role", "backend"],
+        )
+        self.ejections = m.counter(
+            "bridge_backend_ejections_total",
+            "Times the backend was taken out of rotation after failed requests",
             ["role", "backend"],
         )
         routes = m.counter(

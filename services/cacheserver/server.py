@@ -45,6 +45,7 @@ from kvmesh.common.protocol import cacheserver as proto
 from kvmesh.common.protocol.cacheserver import ErrorCode
 from kvmesh.common.transport.curve import CurveGuard, CurveKeys
 from kvmesh.common.transport.router_loop import Answer, RouterLoop
+from kvmesh.common.transport.tcp_address import bind_host_async
 from kvmesh.services.cacheserver.data_listener import DataListener
 from kvmesh.services.cacheserver.handlers import Handlers, RequestError
 from kvmesh.services.cacheserver.lm_listener import LmListener
@@ -159,7 +160,7 @@ class CacheServer:
             guard.secure(sock)
 
         self.port = self.router.start(
-            cfg.host,
+            await bind_host_async(cfg.host),
             cfg.port,
             # Values are bounded by max_value_size, headers (up to MAX_BATCH keys) by a
             # few MiB.

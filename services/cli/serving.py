@@ -47,7 +47,7 @@ def load_service_config(
     any problem, naming the key and where it came from."""
     overrides = {f"{section}.{k}": v for k, v in options.items() if v is not None}
     try:
-        return load_config(config_file, overrides=overrides)
+        return load_config(config_file, overrides=overrides, service=section)
     except ConfigError as exc:
         for line in str(exc).splitlines():
             click.echo(f"error: {line}", err=True)

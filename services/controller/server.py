@@ -42,6 +42,7 @@ from kvmesh.common.protocol import controller as proto
 from kvmesh.common.protocol.controller import ErrorCode
 from kvmesh.common.transport.curve import CurveGuard, CurveKeys
 from kvmesh.common.transport.router_loop import Answer, RouterLoop
+from kvmesh.common.transport.tcp_address import bind_host_async
 from kvmesh.services.controller.admin import AdminFanout
 from kvmesh.services.controller.event_pub import EventPublisher
 from kvmesh.services.controller.event_replay import EventReplay
@@ -136,14 +137,15 @@ class ControllerServer:
             except (msgspec.DecodeError, ValueError) as exc:
                 log.error("snapshot unreadable, starting empty", error=str(exc))
         self.guard = CurveGuard(self._ctx, self.curve, self.stats.metrics, "controller")
+        host = await bind_host_async(cfg.host)  # once, off the loop, for the ZMQ binds
         self.port = self.router.start(
-            cfg.host, cfg.port, max_message_bytes=MAX_MESSAGE_BYTES, secure=self.guard.serve
+            host, cfg.port, max_message_bytes=MAX_MESSAGE_BYTES, secure=self.guard.serve
         )
         if self.events_pub is not None:
-            self.events_pub.start(self._ctx, cfg.host, cfg.events_port, self.guard.serve)
+            self.events_pub.start(self._ctx, host, cfg.events_port, self.guard.serve)
             if cfg.events_replay_port:
                 self.events_replay = EventReplay(self._ctx, self.events_pub, self.stats.metrics)
-                self.events_replay.start(cfg.host, cfg.events_replay_port, self.guard.serve)
+                self.events_replay.start(host, cfg.events_replay_port, self.guard.serve)
         self._tasks = [asyncio.create_task(self._housekeeping(), name="controller-housekeeping")]
         http_port = cfg.http_port or cfg.metrics_port
         if http_port:

@@ -51,7 +51,6 @@ RCV_HWM = 100_000
 # millions, an insert costs 1-4 µs (cache misses), so 100k of them held every
 # request up for 0.1-0.4 s.
 BUILD_STEP = WALK_STEP
-SWEEP_STEP = 50_000
 RETRY_MAX_S = 2.0
 RESYNC_REASONS = ("start", "gap", "restart", "diverged", "unavailable")
 
@@ -249,7 +248,7 @@ class IndexFollower:
             self._send(proto.IndexPing(rid, self.epoch))
             deadline = time.monotonic() + self.ping_s
             index = self.index
-            while index is not None and not index.sweep(SWEEP_STEP):
+            while index is not None and not index.sweep():
                 await asyncio.sleep(0)
                 if time.monotonic() > deadline:
                     break

@@ -51,6 +51,8 @@ from kvmesh.common.transport.controller_client import (
 from kvmesh.common.transport.curve import CurveGuard, CurveKeys
 from kvmesh.common.transport.frames import FrameReader
 from kvmesh.common.transport.router_loop import bind_tcp
+from kvmesh.common.transport.tcp_address import bind_host_async
+from kvmesh.services.lookup import workers as worker_pool
 from kvmesh.services.lookup.follower import IndexFollower
 from kvmesh.services.lookup.workers import WorkerPool
 
@@ -70,6 +72,14 @@ HASH_ON_LOOP_TOKENS = 16_384
 # request; the others are answered without it at once).
 CONTROLLER_RETRY_S = 0.5
 OPS = ("hello", "lookup", "release", "best", "invalid")
+# How often the registered workers are looked at for engines not asked their chunk size yet.
+CHUNK_CHECK_S = 5.0
+# Engines asked per round at most: the check shares the worker pool with the requests,
+# and a round past its room would close the sockets they wait on.
+CHUNK_CHECK_BATCH = 64
+# An engine that does not answer is asked again after CHUNK_CHECK_S, then twice as long
+# each time, up to this.
+CHUNK_CHECK_BACKOFF_MAX_S = 300.0
 # What an instance's worker list is read for; WorkerInfo (controller) or IndexWorker.
 Worker = cproto.WorkerInfo | cproto.IndexWorker
 
@@ -146,6 +156,16 @@ class LookupService:
         )
         self._hello_done = False
         self._pool = WorkerPool(curve)
+        # (worker id, lookup endpoint) of the engines that said their chunk size.
+        self._chunk_checked: set[tuple[str, str]] = set()
+        # Those that did not answer yet → (when to ask again, the wait before that).
+        self._chunk_retry: dict[tuple[str, str], tuple[float, float]] = {}
+        self._chunk_mismatch = m.counter(
+            "lookup_chunk_size_mismatch_total",
+            "Workers whose engines chunk prompts otherwise than lookup.chunk_size (their "
+            "chunks never match the hashes best_instances computes)",
+        )
+        self._chunk_mismatch.inc(0)
         self._tasks: list[asyncio.Task] = []
         self._inflight: set[asyncio.Task] = set()
         self._inflight_bytes = 0
@@ -180,7 +200,7 @@ class LookupService:
         sock.setsockopt(zmq.RCVHWM, RCV_HWM)
         self.guard = CurveGuard(self._ctx, self.curve, self.metrics, "lookup")
         self.guard.serve(sock)
-        self.port = bind_tcp(sock, self.config.host, self.config.port)
+        self.port = bind_tcp(sock, await bind_host_async(self.config.host), self.config.port)
         self._sock = sock
         await self._controller.connect(hello=False)
         if self.follower is not None:
@@ -188,7 +208,10 @@ class LookupService:
         if self.config.metrics_port:
             self.http = ProbeServer(self.metrics, self.health_report, self.config.host)
             await self.http.start(self.config.metrics_port)
-        self._tasks = [asyncio.create_task(self._serve(), name="lookup-serve")]
+        self._tasks = [
+            asyncio.create_task(self._serve(), name="lookup-serve"),
+            asyncio.create_task(self._check_chunk_sizes(), name="lookup-chunk-check"),
+        ]
         log.info(
             "lookup-server ready",
             port=self.port,
@@ -292,6 +315,13 @@ class LookupService:
         except Exception as exc:  # a bug: answer, log, keep serving
             log.exception("lookup request failed", op=op)
             reply = proto.error_reply(msg.rid, ErrorCode.INTERNAL, repr(exc))
+        except asyncio.CancelledError:
+            if _cancelled_itself():
+                raise  # stop()
+            # A future cancelled under the request (a socket closed under a send): the
+            # client still gets an answer.
+            log.exception("lookup request cancelled from under it", op=op)
+            reply = proto.error_reply(msg.rid, ErrorCode.INTERNAL, "cancelled from under it")
         self._seconds[op].observe(time.perf_counter() - t0)
         await self._send(peer, reply, op)
 
@@ -419,6 +449,102 @@ class LookupService:
         for w in reply.workers:
             grouped.setdefault(w.instance_id, []).append(w)
         self._workers, self._workers_at = grouped, time.monotonic()
+
+    async def _check_chunk_sizes(self) -> None:
+        """Ask each registered engine (once) for its chunk size, and say so loudly when
+        it is not lookup.chunk_size: best_instances would hash prompts into chunks that
+        engine never stores, and find nothing of it. Registration carries no chunk size
+        (nor hash algorithm, which nothing sends); the engine's lookup Hello does."""
+        while True:
+            await asyncio.sleep(CHUNK_CHECK_S)
+            try:
+                await self._check_new_workers()
+            except (Unavailable, Refused):
+                pass
+            except Exception:  # a bug: the check must not end, nor take the service down
+                log.exception("worker chunk size check failed")
+            except asyncio.CancelledError:
+                if _cancelled_itself():
+                    raise  # stop()
+                log.exception("worker chunk size check cancelled from under it")
+
+    async def _check_new_workers(self) -> None:
+        """Hello the next batch of registered engines not asked yet, or due again."""
+        workers = await self._registered_workers()
+        current = {(w.worker_id, w.lookup_endpoint) for w in workers if w.lookup_endpoint}
+        self._chunk_checked &= current  # workers gone are not kept for ever
+        retry = self._chunk_retry = {k: v for k, v in self._chunk_retry.items() if k in current}
+        now = time.monotonic()
+        never = (float("-inf"), 0.0)
+        due = [
+            w
+            for w in workers
+            if w.lookup_endpoint
+            and (key := (w.worker_id, w.lookup_endpoint)) not in self._chunk_checked
+            and retry.get(key, never)[0] <= now
+        ]
+        if not due:
+            return
+        due.sort(key=lambda w: retry.get((w.worker_id, w.lookup_endpoint), never)[0])
+        batch = due[: min(CHUNK_CHECK_BATCH, worker_pool.MAX_ENDPOINTS)]
+        endpoints = [w.lookup_endpoint for w in batch]
+        hellos = await self._pool.ask(endpoints, self._hello_worker, self.config.worker_timeout_s)
+        now = time.monotonic()
+        for w, hello in zip(batch, hellos, strict=True):
+            key = (w.worker_id, w.lookup_endpoint)
+            if not isinstance(hello, wire.HelloReply):
+                self._chunk_not_answered(w, now, "no answer" if hello is None else repr(hello))
+                continue
+            if (hello.instance_id, hello.rank) != (w.instance_id, w.rank):
+                # Another engine serves that endpoint now (the list is behind, or the
+                # endpoint was reused): its chunk size says nothing of this worker.
+                got = f"answered as {hello.instance_id}/{hello.rank}"
+                self._chunk_not_answered(w, now, got)
+                continue
+            self._chunk_checked.add(key)
+            if key in retry:
+                log.info("worker answered its chunk size check", worker=w.worker_id)
+                del retry[key]
+            if hello.chunk_size != self.config.chunk_size:
+                self._chunk_mismatch.inc()
+                log.error(
+                    "worker chunk size differs from lookup.chunk_size: best_instances "
+                    "finds none of its chunks; set lookup.chunk_size (and "
+                    "hash_algorithm) as the engines' engine.chunk_size",
+                    worker=w.worker_id,
+                    engine_chunk_size=hello.chunk_size,
+                    lookup_chunk_size=self.config.chunk_size,
+                )
+
+    async def _registered_workers(self) -> list[Worker]:
+        """The index's workers while it is in sync (no controller round trip); else the
+        controller's list, less the workers it only knows from its snapshot (their
+        engines may be long gone: they are asked once they register again)."""
+        index = self.follower.synced_index() if self.follower is not None else None
+        if index is not None:
+            return [w.info for w in list(index.workers.values())]
+        reply = await self._ask_controller(cproto.ListWorkers, cproto.ListWorkersReply)
+        return [w for w in reply.workers if not w.restored]
+
+    def _chunk_not_answered(self, w: Worker, now: float, why: str) -> None:
+        """Ask it again later, each time later (its socket is closed meanwhile); logged
+        the first time only."""
+        key = (w.worker_id, w.lookup_endpoint)
+        last = self._chunk_retry.get(key)
+        wait = CHUNK_CHECK_S if last is None else min(2 * last[1], CHUNK_CHECK_BACKOFF_MAX_S)
+        self._chunk_retry[key] = (now + wait, wait)
+        self._pool.discard(w.lookup_endpoint)
+        if last is None:
+            log.warning(
+                "worker did not answer the chunk size check; asked again less and less often",
+                worker=w.worker_id,
+                endpoint=w.lookup_endpoint,
+                error=why,
+                max_wait_s=CHUNK_CHECK_BACKOFF_MAX_S,
+            )
+
+    def _hello_worker(self, rid: int, _deadline: float, _i: int) -> Any:
+        return wire.Hello(rid, wire.PROTOCOL_VERSION, self.name)
 
     def _listed(self, task: asyncio.Task) -> None:
         self._listing = None
@@ -555,6 +681,12 @@ class LookupService:
 
 async def _none() -> int:
     return -1
+
+
+def _cancelled_itself() -> bool:
+    """Whether the running task was cancelled (stop()), not a future it awaited."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
 
 
 def _complete(workers: list[Worker]) -> bool:

@@ -28,6 +28,9 @@ log = get_logger(__name__)
 # Below a ZMQ context's MAX_SOCKETS (set to this and a margin): past it a new socket
 # would fail. The least recently asked endpoint is closed to make room.
 MAX_ENDPOINTS = 1000
+# A closed socket keeps its place in the context until ZMQ's reaper thread frees it,
+# so a burst of endpoints new to the pool briefly holds more than MAX_ENDPOINTS.
+SOCKET_MARGIN = 256
 IDLE_CLOSE_S = 600.0  # an endpoint not asked this long is closed (its worker is likely gone)
 SND_HWM = 16  # requests queued per worker here; a full queue waits within the deadline
 RELEASE_TIMEOUT_S = 1.0  # a release waits this long for room in a busy worker's queue
@@ -51,7 +54,8 @@ class _Conn:
             raise
         self.sock = sock
         self.used = time.monotonic()
-        self.pending: dict[int, asyncio.Future[wire.Reply]] = {}
+        self.closed = False
+        self.pending: dict[int, asyncio.Future[wire.Reply | None]] = {}
         self.reader = asyncio.create_task(self._read(), name=f"lookup-worker {endpoint}")
 
     async def _read(self) -> None:
@@ -67,9 +71,21 @@ class _Conn:
 
     def shut(self) -> None:
         """Close the socket now (its reader ends at its next turn): the room it took in
-        the context is free at once."""
+        the context is free at once. A request waiting on it is a miss now (no reply
+        can come), not one left to its deadline."""
+        self.closed = True
         self.reader.cancel()
         self.sock.close(0)
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_result(None)
+
+    def closed_under(self) -> bool:
+        """Whether a CancelledError out of this socket's send came from its close (pyzmq
+        cancels the sends waiting on a socket it closes), not from the caller's own task
+        being cancelled: only the latter may end the caller."""
+        task = asyncio.current_task()
+        return self.closed and task is not None and not task.cancelling()
 
     async def close(self) -> None:
         self.shut()
@@ -83,7 +99,7 @@ class WorkerPool:
     def __init__(self, curve: CurveKeys | None = None) -> None:
         self.curve = curve
         self._ctx = zmq.asyncio.Context()
-        self._ctx.set(zmq.MAX_SOCKETS, MAX_ENDPOINTS + 16)
+        self._ctx.set(zmq.MAX_SOCKETS, MAX_ENDPOINTS + SOCKET_MARGIN)
         self._conns: dict[str, _Conn] = {}
         self._rids = itertools.count(1)
         self._closing: set[asyncio.Task] = set()
@@ -110,10 +126,21 @@ class WorkerPool:
             self._closing.add(oldest.reader)
             oldest.reader.add_done_callback(self._closing.discard)
 
+    def discard(self, endpoint: str) -> None:
+        """Close endpoint's socket unless a request waits on it: a worker that does not
+        answer is not reconnected to every second until the pool would close it idle."""
+        conn = self._conns.get(endpoint)
+        if conn is None or conn.pending:
+            return
+        del self._conns[endpoint]
+        conn.shut()
+        self._closing.add(conn.reader)
+        conn.reader.add_done_callback(self._closing.discard)
+
     async def ask(
         self,
         endpoints: list[str],
-        make: Callable[[int, float, int], wire.LookupPrefix],
+        make: Callable[[int, float, int], wire.Request],
         timeout_s: float,
     ) -> list[wire.Reply | None]:
         """Send make(rid, deadline, i) to every endpoints[i]; each reply, or None
@@ -129,7 +156,7 @@ class WorkerPool:
     async def _ask_one(
         self,
         endpoint: str,
-        make: Callable[[int, float], wire.LookupPrefix],
+        make: Callable[[int, float], wire.Request],
         deadline: float,
         timeout_s: float,
     ) -> wire.Reply | None:
@@ -141,7 +168,7 @@ class WorkerPool:
             log.warning("worker lookup not sent", endpoint=endpoint, error=str(exc))
             return None
         rid = next(self._rids)
-        fut: asyncio.Future[wire.Reply] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[wire.Reply | None] = asyncio.get_running_loop().create_future()
         conn.pending[rid] = fut
         try:
             async with asyncio.timeout(timeout_s):
@@ -154,6 +181,11 @@ class WorkerPool:
         except zmq.ZMQError as exc:
             log.debug("worker lookup not sent", endpoint=endpoint, error=str(exc))
             return None
+        except asyncio.CancelledError:
+            if conn.closed_under():  # the pool made room for another endpoint: a miss
+                log.debug("worker lookup not sent: socket closed for another", endpoint=endpoint)
+                return None
+            raise
         finally:
             conn.pending.pop(rid, None)
 
@@ -167,12 +199,18 @@ class WorkerPool:
 
         async def send(endpoint: str) -> bool:
             payload = wire.encode(make(next(self._rids)))
+            conn: _Conn | None = None
             try:
                 async with asyncio.timeout(RELEASE_TIMEOUT_S):
-                    await self._conn(endpoint).sock.send(payload)
+                    conn = self._conn(endpoint)
+                    await conn.sock.send(payload)
             except (zmq.ZMQError, TimeoutError) as exc:
                 log.debug("worker release not sent", endpoint=endpoint, error=repr(exc))
                 return False
+            except asyncio.CancelledError:
+                if conn is not None and conn.closed_under():  # as in _ask_one
+                    return False
+                raise
             return True
 
         sent = await asyncio.gather(*(send(e) for e in endpoints if e))

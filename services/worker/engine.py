@@ -18,7 +18,14 @@ from pathlib import Path
 import torch
 
 from kvmesh.common.codecs import codec_from_config
-from kvmesh.common.config import EngineConfig, TierPluginConfig
+from kvmesh.common.config import (
+    ConfigError,
+    ConfigIssue,
+    EngineConfig,
+    RuleError,
+    Source,
+    TierPluginConfig,
+)
 from kvmesh.common.keys import ChunkKey, KeyNamespace
 from kvmesh.common.memory import HostMemoryPool, MemoryFormat, MemoryObj
 from kvmesh.common.observability import get_logger, serve_metrics
@@ -55,6 +62,22 @@ log = get_logger(__name__)
 Tokens = Sequence[int] | torch.Tensor
 Chunk = tuple[int, int, ChunkKey]
 
+# The longest close() waits on a store's allocation (alloc_timeout_s may be infinite).
+_CLOSE_ALLOC_WAIT_S = 30.0
+
+
+def _check_rank_ports(config: EngineConfig, rank: int, world_size: int, on_gpu: bool) -> None:
+    """ConfigError when the listeners of this host's ranks would share a port, or go
+    past 65535: the config alone cannot see it, not knowing the world size. The ranks
+    on a host are taken as the run of `on_host` ranks holding this one (at most its
+    GPUs; on CPU, every rank): ranks on other hosts meet none of its ports."""
+    on_host = max(1, min(world_size, torch.cuda.device_count()) if on_gpu else world_size)
+    try:
+        config.check_rank_ports(on_host, first=rank - rank % on_host)
+    except RuleError as e:
+        where = Source("engine start", f"rank {rank} of {world_size}")
+        raise ConfigError([ConfigIssue(f"engine.{e.field}", where, str(e))]) from None
+
 
 class KVEngine:
     """The cache of one (instance id, rank): build it with `get_or_create_engine`."""
@@ -71,6 +94,7 @@ class KVEngine:
         mla_group: object | None = None,
         curve: CurveKeys | None = None,
     ) -> None:
+        _check_rank_ports(config, rank, world_size, on_gpu=torch.cuda.is_initialized())
         self.instance_id = instance_id
         # CURVE keys (security config) for every socket the engine opens; None = off.
         self.curve = curve
@@ -79,6 +103,10 @@ class KVEngine:
         self.config = config
         self._lock = threading.Lock()
         self._closed = False
+        # Stores and retrieves running on callers' threads: close() waits for them to
+        # end before the pool goes, since they read and write its pages.
+        self._active = 0
+        self._idle = threading.Condition(self._lock)
         self._frozen = False
         # Set by the controller client: who holds a prefix in their L1 (the P2P tier asks).
         self.peer_locator: PeerLocator | None = None
@@ -189,6 +217,11 @@ class KVEngine:
             self.add_close_hook(metrics.shutdown)
         self._mla = MLABroadcast(mla_group, rank) if self.is_mla and world_size > 1 else None
         self._prefetches: dict[str, concurrent.futures.Future[int]] = {}
+        # Each running prefetch's token: it holds its pins only while still the one
+        # wanted under its lookup id. Checked and released under _prefetch_lock, so a
+        # release_lookup racing its end never leaves its pins behind.
+        self._prefetch_tokens: dict[str, object] = {}
+        self._prefetch_lock = threading.Lock()
         self.loop.submit(self._expire_pins_forever())
         log.info(
             "engine started",
@@ -315,6 +348,24 @@ class KVEngine:
         if self._closed:
             raise RuntimeError(f"engine {self.instance_id}/{self.rank} is closed")
 
+    def _enter(self) -> None:
+        """Count a store or retrieve in; RuntimeError once the engine is closed."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"engine {self.instance_id}/{self.rank} is closed")
+            self._active += 1
+
+    def _exit(self) -> None:
+        with self._lock:
+            self._active -= 1
+            if not self._active and self._closed:  # only close() waits on it
+                self._idle.notify_all()
+
+    def _wait_idle(self, timeout: float) -> bool:
+        """Wait for the stores and retrieves in flight to end; False if some still run."""
+        with self._lock:
+            return self._idle.wait_for(lambda: not self._active, timeout)
+
     @staticmethod
     def _check_slots(tokens: Tokens, slot_mapping: torch.Tensor) -> None:
         # The copier moves only the slots it is given: with too few, a stored chunk's
@@ -392,8 +443,16 @@ class KVEngine:
         slot_mapping has one slot per token; mask's leading False entries mark a prefix
         that is already cached (a multiple of the chunk size). Returns tokens stored.
         """
-        self._check_open()
         self._check_slots(tokens, slot_mapping)
+        self._enter()
+        try:
+            return self._store(tokens, slot_mapping, mask, tenant)
+        finally:
+            self._exit()
+
+    def _store(
+        self, tokens: Tokens, slot_mapping: torch.Tensor, mask: torch.Tensor | None, tenant: str
+    ) -> int:
         t0 = time.perf_counter()
         self.stats.requests["store"].inc()
         self.stats.tokens_requested["store"].inc(len(tokens))
@@ -500,6 +559,8 @@ class KVEngine:
         stored = 0
         l1 = self.storage.l1
         for start, end, key in chunks:
+            if self._closed:
+                break  # close() waits for this store: no more pages
             if l1.contains(key):
                 l1.touch(key)
                 continue
@@ -560,10 +621,14 @@ class KVEngine:
 
     def release_lookup(self, lookup_id: str) -> None:
         """Drop the pins of a lookup whose request will not be retrieved."""
+        with self._prefetch_lock:
+            self._prefetch_tokens.pop(lookup_id, None)
+            fut = self._prefetches.pop(lookup_id, None)
+        # After the token went: a prefetch that held its pins just before is released
+        # here, one ending later sees it is no longer wanted and unpins them itself.
         self.pins.release(lookup_id)
         if self.pd_receiver is not None and lookup_id.startswith(PD_HOLD_PREFIX):
             self.pd_receiver.release(lookup_id)
-        fut = self._prefetches.pop(lookup_id, None)
         if fut is not None:
             fut.cancel()
 
@@ -582,8 +647,21 @@ class KVEngine:
         Returns a bool mask over tokens: True where KV was loaded. Stops at the first
         chunk no tier holds. Releases the pins of lookup_id.
         """
-        self._check_open()
         self._check_slots(tokens, slot_mapping)
+        self._enter()
+        try:
+            return self._retrieve(tokens, slot_mapping, mask, lookup_id, tenant)
+        finally:
+            self._exit()
+
+    def _retrieve(
+        self,
+        tokens: Tokens,
+        slot_mapping: torch.Tensor,
+        mask: torch.Tensor | None,
+        lookup_id: str | None,
+        tenant: str,
+    ) -> torch.Tensor:
         t0 = time.perf_counter()
         self.stats.requests["retrieve"].inc()
         self.stats.tokens_requested["retrieve"].inc(len(tokens))
@@ -593,7 +671,14 @@ class KVEngine:
             if self._mla is not None:
                 self._mla.retrieve(self, chunks, slot_mapping, loaded)
             else:
-                objs, sources = self.storage.get_prefix([k for _, _, k in chunks])
+                try:
+                    objs, sources = self.storage.get_prefix([k for _, _, k in chunks])
+                except RuntimeError:
+                    if not self._closed:
+                        raise
+                    # close() stopped the loop before this retrieve asked the lower
+                    # tiers (its L1 references are dropped): a miss, not an error.
+                    objs, sources = [], []
                 self._scatter_all(chunks, objs, sources, slot_mapping, loaded)
         finally:
             if lookup_id is not None:
@@ -693,12 +778,24 @@ class KVEngine:
         the hit tokens."""
         self._check_open()
         chunks = self.chunks(tokens, tenant=tenant)
-        fut = self.loop.submit(self._prefetch(chunks, lookup_id))
-        self._prefetches[lookup_id] = fut
-        fut.add_done_callback(lambda _f: self._prefetches.pop(lookup_id, None))
+        token = object()
+        with self._prefetch_lock:
+            self._prefetch_tokens[lookup_id] = token
+            fut = self.loop.submit(self._prefetch(chunks, lookup_id, token))
+            self._prefetches[lookup_id] = fut
+
+        def forget(done: concurrent.futures.Future[int]) -> None:
+            # Only its own entry: a later prefetch under the same id keeps its own.
+            with self._prefetch_lock:
+                if self._prefetches.get(lookup_id) is done:
+                    del self._prefetches[lookup_id]
+                if self._prefetch_tokens.get(lookup_id) is token:
+                    del self._prefetch_tokens[lookup_id]
+
+        fut.add_done_callback(forget)
         return fut
 
-    async def _prefetch(self, chunks: list[Chunk], lookup_id: str) -> int:
+    async def _prefetch(self, chunks: list[Chunk], lookup_id: str, token: object) -> int:
         t0 = time.perf_counter()
         self.stats.requests["prefetch"].inc()
         keys = [key for _, _, key in chunks]
@@ -709,7 +806,21 @@ class KVEngine:
             if self.storage.l1.pin(key):
                 pinned.append((self.storage.l1, key))
             obj.ref_down()
-        self.pins.hold(lookup_id, pinned)
+        if self._prefetch_tokens.get(lookup_id) is token:
+            # The id's older pins (its lookup's, lower tiers' too) go before the lock:
+            # hold() would unpin them under it, and a slow tier unpin then stalled
+            # every retrieve's release_lookup on the inference thread. No prefetch's
+            # pins can be held under the id meanwhile (they are held on this thread),
+            # so a race here releases only pins a hold would replace anyway.
+            self.pins.release(lookup_id)
+        with self._prefetch_lock:
+            wanted = self._prefetch_tokens.get(lookup_id) is token
+            if wanted:
+                self.pins.hold(lookup_id, pinned)
+        if not wanted:
+            # Released (its request retrieved or dropped) while it pinned: held now,
+            # the pins stayed until pin_timeout_s, keeping L1 from evicting them.
+            self.storage.unpin(pinned)
         self.stats.latency["prefetch"].observe(time.perf_counter() - t0)
         return chunks[len(objs) - 1][1] if objs else 0
 
@@ -790,7 +901,25 @@ class KVEngine:
         for fut in list(self._prefetches.values()):
             fut.cancel()
         self.pins.release_all()
-        self.loop.stop()
-        self.storage.close()
-        self.pool.close()
+        self.storage.begin_close()
+        try:
+            try:
+                # Cancels the lower-tier gets in flight: their retrieves go on with a miss.
+                self.loop.stop()
+            except RuntimeError as exc:  # a tier's task ignores the cancel: not the caller's
+                log.warning("engine loop did not stop", error=str(exc))
+            # Stores and retrieves still running read and write the pool's pages: freed
+            # under them, they raised into the inference thread (a retrieve waiting on a
+            # lower tier got CancelledError). Left now, they end within one allocation
+            # wait plus one lower-tier get. Capped: alloc_timeout_s may be infinite, and
+            # Condition.wait raised OverflowError on it, leaving pool and tiers open.
+            wait = min(self.config.l1.alloc_timeout_s, _CLOSE_ALLOC_WAIT_S)
+            wait = min(wait + self.storage.io_timeout_s, threading.TIMEOUT_MAX)
+            if not self._wait_idle(wait):
+                log.warning("stores or retrieves still running at close", active=self._active)
+        finally:
+            try:
+                self.storage.close()
+            finally:
+                self.pool.close()
         log.info("engine closed", instance=self.instance_id, rank=self.rank)

@@ -22,6 +22,9 @@ class LoopThread:
     def __init__(self, name: str = "kvmesh-loop") -> None:
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Set by stop() before the loop cancels what it runs: a caller whose wait ends
+        # in that cancel tells a shutdown from a cancel meant for it.
+        self._stopping = False
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -39,6 +42,7 @@ class LoopThread:
         try:
             loop.run_forever()
         finally:
+            self._stopping = True
             pending = asyncio.all_tasks(loop)
             for task in pending:
                 task.cancel()
@@ -55,6 +59,11 @@ class LoopThread:
     @property
     def running(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the loop was told to stop (or ended): work on it is being cancelled."""
+        return self._stopping or not self._thread.is_alive()
 
     def in_loop_thread(self) -> bool:
         return threading.current_thread() is self._thread
@@ -100,6 +109,7 @@ class LoopThread:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Cancel what runs on the loop, stop it and join the thread."""
+        self._stopping = True
         if self._thread.is_alive() and self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout)

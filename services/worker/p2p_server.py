@@ -37,7 +37,12 @@ from kvmesh.common.protocol import wire
 from kvmesh.common.transport.channel import TransferChannel
 from kvmesh.common.transport.curve import CurveGuard
 from kvmesh.common.transport.frames import FrameReader
-from kvmesh.common.transport.tcp_address import bind, bind_host, tcp_endpoint
+from kvmesh.common.transport.tcp_address import (
+    UnresolvedHost,
+    bind,
+    bind_host_async,
+    tcp_endpoint,
+)
 from kvmesh.services.worker.pd_receiver import PdRefused
 
 if TYPE_CHECKING:
@@ -61,8 +66,10 @@ class P2PServer:
     def __init__(self, engine: KVEngine, channel: TransferChannel, host: str, port: int) -> None:
         self.engine = engine
         self.channel = channel
-        # As the services bind: "" is every IPv4 address, a name its IPv4 address first.
-        self.endpoint = tcp_endpoint(bind_host(host), port)
+        # As the services bind: "" is every IPv4 address, a name its IPv4 address first,
+        # resolved on the loop's resolver thread when the server starts (_main).
+        self._host, self._port = host, port
+        self.endpoint = tcp_endpoint(host, port)
         self.lease_s = max(10.0, 4 * engine.config.p2p.timeout_s)
         self._leases: dict[int, tuple[list[MemoryObj], float]] = {}
         self._done: concurrent.futures.Future[None] | None = None
@@ -121,8 +128,10 @@ class P2PServer:
         guard.serve(sock)
         try:
             try:
+                host = await bind_host_async(self._host)
+                self.endpoint = tcp_endpoint(host, self._port)
                 bind(sock, self.endpoint)
-            except zmq.ZMQError as exc:
+            except (zmq.ZMQError, UnresolvedHost) as exc:
                 bound.set_exception(P2PServerError(f"cannot bind {self.endpoint}: {exc}"))
                 return
             bound.set_result(sock.getsockopt_string(zmq.LAST_ENDPOINT))

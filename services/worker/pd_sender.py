@@ -37,6 +37,7 @@ from kvmesh.common.observability import get_logger
 from kvmesh.common.protocol import p2p as proto
 from kvmesh.common.transport.channel import PeerError, Piece, StuckTransfer, TransferChannel
 from kvmesh.common.transport.chunk_regions import WHOLE, token_axis
+from kvmesh.services.worker.layerwise import _drop
 
 if TYPE_CHECKING:
     from kvmesh.services.worker.engine import KVEngine
@@ -310,62 +311,107 @@ def push_layers(
     each layer's KV is in the paged cache. Returns the tokens the decoder committed
     (0 when the push failed: the decoder then recomputes). Without layerwise, the
     first next() copies and pushes every layer at once."""
-    engine._check_open()
     sender = engine.pd_sender
     if sender is None:
+        engine._check_open()
         raise RuntimeError("this engine has no PD sender (engine.pd.role)")
-    l1 = engine.storage.l1
+    # Allocating and reading L1 take pages of the pool: close() waits for this step as
+    # for a store. The copies of the later steps go into the tensor views taken here.
+    engine._enter()
     entries: list[_Entry] = []
-    for start, end, key in engine.chunks(tokens, mask, tenant):
-        obj = l1.get(key)
-        fresh = obj is None
-        if obj is None:
-            obj = engine._new_chunk_obj_or_stop(end - start, "PD push truncated")
-            if obj is None:
-                break
-        entries.append(_Entry(start, end, key, obj, fresh))
-    if not entries:
-        return 0
-    loop = engine.loop
-    # asyncio.Queue binds to a loop on first use: built here, used on the engine loop.
-    push = _Push(sender, target, entries)
-    fut: concurrent.futures.Future[int] = loop.submit(sender.run(push))
-    committed = False
     try:
-        num_layers = engine.layout.num_layers
+        l1 = engine.storage.l1
+        for start, end, key in engine.chunks(tokens, mask, tenant):
+            obj = l1.get(key)
+            fresh = obj is None
+            if obj is None:
+                obj = engine._new_chunk_obj_or_stop(end - start, "PD push truncated")
+                if obj is None:
+                    break
+            entries.append(_Entry(start, end, key, obj, fresh))
+        loop = engine.loop
+        if entries and loop.stopping:
+            # The engine is closing (its loop stopped or stopping): no push can run, so
+            # the decoder recomputes; a push submitted to a loop that cannot stop waited
+            # out the whole PD deadline.
+            _drop(engine, [x.obj for x in entries])
+            entries = []
+        if not entries:
+            return 0
+        # asyncio.Queue binds to a loop on first use: built here, used on the engine loop.
+        push = _Push(sender, target, entries)
+        try:
+            fut: concurrent.futures.Future[int] = loop.submit(sender.run(push))
+        except RuntimeError:
+            if not loop.stopping:
+                raise
+            _drop(engine, [x.obj for x in entries])  # it stopped since the check above
+            return 0
         fresh = [x for x in entries if x.fresh]
         spans = [(x.start, x.end) for x in fresh]
         outs = [x.obj.tensor for x in fresh]
+    except BaseException:
+        _drop(engine, [x.obj for x in entries])
+        raise
+    finally:
+        engine._exit()
+
+    def feed(item: int | None) -> None:
+        # Once the engine is closed its loop is stopped (or stopping): the sender was
+        # cancelled there, and the closed loop would raise into the inference thread.
+        if engine.closed:
+            return
+        try:
+            loop.loop.call_soon_threadsafe(push.layers.put_nowait, item)
+        except RuntimeError:
+            if not loop.stopping:
+                raise
+
+    committed = False
+    try:
+        num_layers = engine.layout.num_layers
         if layerwise:
             for layer in range(num_layers):
                 if fresh:  # one copier call a layer for every chunk
                     engine.copier.gather_chunks(slot_mapping, spans, outs, layer)
-                loop.loop.call_soon_threadsafe(push.layers.put_nowait, layer)
+                feed(layer)
                 if layer < num_layers - 1:
                     yield layer
         else:
             if fresh:
                 engine.copier.gather_chunks(slot_mapping, spans, outs)
-            loop.loop.call_soon_threadsafe(push.layers.put_nowait, WHOLE)
-        loop.loop.call_soon_threadsafe(push.layers.put_nowait, None)
+            feed(WHOLE)
+        feed(None)
         try:
             pushed = fut.result(sender.timeout_s + 1.0)
         except (concurrent.futures.TimeoutError, PeerError) as exc:
             log.warning("PD push gave up", transfer=target.transfer_id, error=repr(exc))
             fut.cancel()
             pushed = 0
-        # What was copied out is cached here too, like any saved prompt.
-        for x in entries:
-            if x.fresh:
-                x.obj.key = x.key
-                if engine.storage.put(x.key, x.obj):
-                    engine.stats.chunks_stored.inc()
-            else:
-                x.obj.ref_down()
+        except concurrent.futures.CancelledError:
+            if not loop.stopping:
+                raise
+            pushed = 0  # the engine closed: its loop's stop cancelled the push
+        try:
+            engine._enter()  # close() waits for a commit under way
+        except RuntimeError:
+            # Closed between two layers: its tiers are gone, so nothing is stored here.
+            _drop(engine, [x.obj for x in entries])
+        else:
+            try:
+                # What was copied out is cached here too, like any saved prompt.
+                for x in entries:
+                    if x.fresh:
+                        x.obj.key = x.key
+                        if engine.storage.put(x.key, x.obj):
+                            engine.stats.chunks_stored.inc()
+                    else:
+                        x.obj.ref_down()
+            finally:
+                engine._exit()
         committed = True
         return pushed
     finally:
         if not committed:  # abandoned part way: cancel, and the buffers go back
             fut.cancel()
-            for x in entries:
-                x.obj.ref_down()
+            _drop(engine, [x.obj for x in entries])

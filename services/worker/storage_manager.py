@@ -2,8 +2,8 @@
 
 L1 is consulted inline on the caller's thread (a dict lookup under a lock is
 microseconds; a hop to the event loop would cost more than the work). Lower tiers
-run on the engine's event loop with a bound on concurrent I/O and the I/O deadline
-(retrieves and prefetches alike), and anything they fail at is a miss. A plugin
+run on the engine's event loop with a bound on each tier's concurrent I/O and the I/O
+deadline (retrieves and prefetches alike), and anything they fail at is a miss. A plugin
 tier's lookups (batched_contains) run on threads of their own under the same
 deadline, so a plugin that hangs never holds the caller's thread.
 """
@@ -70,12 +70,23 @@ class StorageManager:
         self._lookup_pool: _DaemonPool | None = None  # made by the first lookup needing it
         self._lookup_lock = threading.Lock()
         self._closed = False
+        # Set by the engine's close() as it stops the loop: lower-tier gets are misses.
+        self._closing = False
         self._overdue: dict[int, concurrent.futures.Future] = {}
         self._loop = loop
         self._events = events
         self._io_timeout_s = io_timeout_s
-        self._io_slots = asyncio.Semaphore(max_inflight_io)
+        # Each tier its own slots: one that hangs (a remote that never answers) holds
+        # only its own until the deadline, while gets of the tiers above it, for other
+        # requests, go on (with one shared bound they waited behind it for up to the
+        # whole I/O deadline, 4.7 s of 5 in a review's run, though their tier answered).
+        self._io_slots = {id(t): asyncio.Semaphore(max_inflight_io) for t in self.lower}
         self._pending: set[asyncio.Future] = set()
+
+    @property
+    def io_timeout_s(self) -> float:
+        """The deadline of one lower-tier get or lookup."""
+        return self._io_timeout_s
 
     @property
     def tiers(self) -> list[Tier | HostTier]:
@@ -195,14 +206,32 @@ class StorageManager:
         for the caller) and the name of the tier each came from."""
         objs = self._l1_prefix(keys)
         names = [self.l1.name] * len(objs)
+        if len(objs) < len(keys) and self.lower and self._closing:
+            # The engine is closing: a get submitted now waited out the whole I/O
+            # deadline on a loop that a tier's task keeps from stopping, while close()
+            # waited for it. A miss of the lower tiers; the L1 prefix is the caller's.
+            return objs, names
         if len(objs) < len(keys) and self.lower:
             deadline = time.monotonic() + self._io_timeout_s
             rest = self._lower_prefix(keys[len(objs) :], deadline)
             try:
                 more = self._loop.run(rest, self._io_timeout_s, orphan=_drop_pairs)
+            except RuntimeError:
+                if not self._closing:
+                    _drop_all(objs)
+                    raise
+                more = []  # the loop stopped since the check above: a miss, as there
             except TimeoutError:
                 # The gets still in flight are cancelled on the loop, which counts each
                 # as a timeout miss of the tier it was waiting on.
+                more = []
+            except concurrent.futures.CancelledError:
+                if not self._loop.stopping:
+                    _drop_all(objs)
+                    raise
+                # The engine is closing: its loop's stop cancelled these gets. A miss
+                # of the lower tiers, not an error in the inference thread (it got
+                # CancelledError); the L1 prefix stays the caller's to load.
                 more = []
             except BaseException:
                 _drop_all(objs)  # the L1 prefix's references were the caller's to drop
@@ -282,7 +311,7 @@ class StorageManager:
         prefetch released, the engine closing) was abandoned, not missed."""
         for tier in self.lower:
             try:
-                async with self._io_slots:
+                async with self._io_slots[id(tier)]:
                     obj = await tier.aget(key, self._allocators[id(tier)])
             except asyncio.CancelledError:
                 if _past(deadline):
@@ -380,6 +409,11 @@ class StorageManager:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             done = tier.flush(left) and done
         return done
+
+    def begin_close(self) -> None:
+        """The engine is closing (its loop about to stop): from now on get_prefix asks
+        no lower tier, a miss there; close() comes once no retrieve runs."""
+        self._closing = True
 
     def close(self) -> None:
         with self._lookup_lock:

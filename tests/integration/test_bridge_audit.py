@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import http.client
 import json
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -474,3 +476,109 @@ def test_clients_gone_while_sending_their_body_are_counted(plain) -> None:
     )
     after = outcomes(bridge)
     assert sum(after.values()) == sum(before.values()) + 3
+
+
+def test_an_encoded_answer_keeps_its_content_encoding(tmp_path: Path) -> None:
+    """The decoder's answer reaches the client as the decoder encoded it, with its
+    Content-Encoding, whatever the encoding (one aiohttp could inflate, one it cannot,
+    one nobody knows): never compressed bytes without the header that says so. The
+    decoder is asked for what the client accepts, and for none when it says nothing."""
+    decoder = HttpBackend("ok").start()
+    bridge = BridgeProcess(tmp_path, prefillers=[], decoders=[(decoder.url, [])])
+    try:
+        bridge.start()
+        plain = json.dumps({"object": "text_completion", "choices": [{"text": "ab", "index": 0}]})
+        for encoding in ("gzip", "br", "x-foo"):
+            decoder.encoding = encoding
+            for stream in (False, True):
+                conn = http.client.HTTPConnection("127.0.0.1", bridge.port, timeout=30)
+                headers = {**JSON, "Accept-Encoding": "gzip, br"}
+                body = json.dumps({**COMPLETION, "stream": stream})
+                conn.request("POST", "/v1/completions", body, headers)
+                resp = conn.getresponse()
+                raw = resp.read()
+                conn.close()
+                assert resp.status == 200, raw[:300]
+                assert resp.getheader("Content-Encoding") == encoding, resp.getheaders()
+                text = gzip.decompress(raw).decode()
+                if stream:
+                    assert text.endswith("data: [DONE]\n\n") and '"text": "b"' in text, text
+                else:
+                    assert text == plain
+                assert decoder.requests[-1].headers["Accept-Encoding"] == "gzip, br"
+            status, models = bridge.get("/v1/models")  # also passed on as encoded
+            assert status == 200 and gzip.decompress(models).decode() == plain
+        decoder.encoding = ""
+        status, answer = bridge.post("/v1/completions", COMPLETION)
+        assert status == 200 and answer["choices"][0]["text"] == "ab"
+        assert decoder.requests[-1].headers["Accept-Encoding"] == "identity"
+    finally:
+        bridge.stop()
+        decoder.stop()
+
+
+class SmallPoolBridge(BridgeProcess):
+    """The bridge with `pool` outgoing connections instead of POOL_CONNECTIONS (a
+    constant, no option): the same process, the constant set before it starts."""
+
+    def __init__(self, workdir: Path, pool: int, **kwargs: object) -> None:
+        super().__init__(workdir, **kwargs)  # type: ignore[arg-type]
+        launch = (
+            "import kvmesh.services.bridge.server as s; "
+            f"s.POOL_CONNECTIONS = {pool}; "
+            "from kvmesh.services.cli.bridge_cmd import bridge; "
+            "bridge(prog_name='kvmesh serve bridge')"
+        )
+        self.cmd = [sys.executable, "-c", launch, *self.cmd[len(self.command) :]]
+
+
+def test_a_request_that_waits_too_long_for_a_connection_is_a_503_saturated(
+    tmp_path: Path,
+) -> None:
+    """Every pooled connection is busy (two here, streams that last 4 s): a request
+    waiting past decode_timeout_s for one never reached a decoder. It is a 503 that
+    says the bridge is saturated (with Retry-After), counted `saturated`, not a 504
+    blaming a decoder that "sent nothing"; nor does it count against the decoder."""
+    decoder = HttpBackend("trickle").start()
+    decoder.trickle_s = 4.0
+    bridge = SmallPoolBridge(tmp_path, 2, prefillers=[], decoders=[(decoder.url, [])],
+                             decode_timeout_s=1.5)  # fmt: skip
+    try:
+        bridge.start()
+        wait_for(lambda: b'"state": "up"' in bridge.get("/health")[1], 10, "decoder up")
+        answers: list[tuple[int, dict[str, str], bytes]] = []
+
+        def one() -> None:
+            conn = http.client.HTTPConnection("127.0.0.1", bridge.port, timeout=30)
+            try:
+                body = json.dumps({**COMPLETION, "stream": True})
+                conn.request("POST", "/v1/completions", body, JSON)
+                resp = conn.getresponse()
+                answers.append((resp.status, dict(resp.getheaders()), resp.read()))
+            finally:
+                conn.close()
+
+        threads = [threading.Thread(target=one) for _ in range(2)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: len(decoder.requests) == 2, 10, "both connections busy")
+        threads += [threading.Thread(target=one) for _ in range(2)]
+        for t in threads[2:]:
+            t.start()
+        for t in threads:
+            t.join(30)
+        statuses = sorted(status for status, _, _ in answers)
+        assert statuses == [200, 200, 503, 503], [a[2][:200] for a in answers]
+        for status, headers, raw in answers:
+            if status == 503:
+                assert b"the bridge is saturated" in raw, raw
+                assert b"sent nothing" not in raw
+                assert headers["Retry-After"] == "1"
+        assert len(decoder.requests) == 2  # the waiting ones never reached it
+        got = outcomes(bridge)
+        assert got["saturated"] == 2 and got["ok"] == 2 and got["decoder_timeout"] == 0
+        status, raw = bridge.get("/health")
+        assert b"failures_in_a_row" not in raw and b"ejected" not in raw, raw
+    finally:
+        bridge.stop()
+        decoder.stop()

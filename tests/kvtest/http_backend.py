@@ -6,7 +6,14 @@ of the test process: it records every request it gets, then acts as `mode` says.
 - "hang": accept and never answer (a deadline must fire);
 - "fail": answer 500 with an OpenAI-style error;
 - "drop": close the connection without an answer;
-- "down": answer 503, GET /health included.
+- "down": answer 503, GET /health included;
+- "ok": answer by itself, no upstream: an SSE stream of two events and [DONE] when
+  the request asks for `stream`, else one JSON completion; with `encoding` set, the
+  body is gzip-compressed and sent with `Content-Encoding: <encoding>` (whatever the
+  request's Accept-Encoding: a backend that ignores it, or an encoding nobody knows);
+- "truncate": a 200 SSE answer cut after its first event (the connection dropped);
+- "trickle": a 200 SSE answer of one event every 0.2 s for `trickle_s` seconds, then
+  [DONE]: a connection kept busy, never silent for long.
 
 GET /health answers 200 in every other mode, so the bridge keeps the stand-in "up"
 and a test decides what each call meets by switching `mode`.
@@ -15,6 +22,8 @@ and a test decides what each call meets by switching `mode`.
 from __future__ import annotations
 
 import asyncio
+import gzip
+import json
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +48,10 @@ class HttpBackend:
         self.upstream = upstream
         self.port = free_port()
         self.requests: list[Recorded] = []
+        # Mode "ok": the Content-Encoding of its answers ("" = plain).
+        self.encoding = ""
+        # Mode "trickle": how long each answer lasts.
+        self.trickle_s = 5.0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._runner: web.AppRunner | None = None
@@ -93,6 +106,24 @@ class HttpBackend:
             assert request.transport is not None
             request.transport.close()
             return web.Response()
+        if self.mode == "ok":
+            return await self._ok(request, bool(body.get("stream")))
+        if self.mode == "trickle":
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            for _ in range(max(1, round(self.trickle_s / 0.2))):
+                await out.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+                await asyncio.sleep(0.2)
+            await out.write(b"data: [DONE]\n\n")
+            await out.write_eof()
+            return out
+        if self.mode == "truncate":
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            await out.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+            assert request.transport is not None
+            request.transport.abort()
+            return out
         assert self._session is not None
         async with self._session.request(
             request.method, self.upstream + request.path_qs, data=raw,
@@ -106,3 +137,17 @@ class HttpBackend:
                 await out.write(chunk)
             await out.write_eof()
             return out
+
+    async def _ok(self, request: web.Request, stream: bool) -> web.StreamResponse:
+        if stream:
+            events = [{"choices": [{"text": t, "index": 0}]} for t in ("a", "b")]
+            text = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+            body, content_type = text.encode(), "text/event-stream"
+        else:
+            answer = {"object": "text_completion", "choices": [{"text": "ab", "index": 0}]}
+            body, content_type = json.dumps(answer).encode(), "application/json"
+        headers = {"Content-Type": content_type}
+        if self.encoding:
+            body = gzip.compress(body)
+            headers["Content-Encoding"] = self.encoding
+        return web.Response(body=body, headers=headers)

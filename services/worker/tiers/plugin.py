@@ -7,6 +7,14 @@ remote one, in the order of the config. The tier must implement the Tier protoco
 (tiers/base.py) with `name == context.name`; it reads into the `allocator` that `get`
 is given and may run coroutines on `context.loop`. What it returns must never be
 wrong: a tier that cannot vouch for a chunk's bytes returns a miss.
+
+Its factory has a deadline (plugins.build), and so do `batched_contains` (the storage
+manager asks it on a thread of its own) and `aget` (awaited under the I/O deadline).
+The other plain methods are called on the caller's thread, as the built-in tiers'
+are: a hop to another thread for each would cost every store tens of microseconds a
+chunk, and milliseconds when other Python threads hold the GIL (measured in a review),
+and a plugin that waits on `context.loop` from one would deadlock the loop. They must
+answer from memory (docs/plugins.md says so); slow work goes to the tier's own threads.
 """
 
 from __future__ import annotations
@@ -19,9 +27,18 @@ from typing import Any
 
 from kvmesh.common.config import TierPluginConfig
 from kvmesh.common.observability import Metrics
-from kvmesh.common.plugins import TIERS_GROUP, PluginError, build, wrong_kinds
+from kvmesh.common.plugins import (
+    TIERS_GROUP,
+    PluginError,
+    build,
+    call_on_daemon,
+    wrong_kinds,
+)
 from kvmesh.services.worker.loop_thread import LoopThread
 from kvmesh.services.worker.tiers.base import Tier
+
+# How long the start waits for a refused tier's close before it reports the refusal.
+CLOSE_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +56,8 @@ class TierContext:
 
 
 def make_plugin_tier(cfg: TierPluginConfig, context: TierContext) -> Tier:
-    """Build cfg's tier; PluginError (naming the plugin) if it fails or is not a Tier."""
+    """Build cfg's tier; PluginError (naming the plugin) if it fails, does not start in
+    time or is not a Tier."""
     tier = build(TIERS_GROUP, cfg.plugin, context)
     problem = _problem(tier, context.name)
     if problem:
@@ -76,9 +94,10 @@ def _problem(tier: object, name: str) -> str:
 
 def _close_quietly(tier: object) -> None:
     """Let go of what a refused tier opened: the engine that would close it is not
-    going to exist."""
+    going to exist. A close that does not return in time is left running."""
     close = getattr(tier, "close", None)
     if callable(close) and not inspect.iscoroutinefunction(close):
+        fut = call_on_daemon(close, name=f"kvmesh-plugin-close-{getattr(tier, 'name', '?')}")
         # The error worth reporting is the PluginError, not one from closing.
         with contextlib.suppress(Exception):
-            close()
+            fut.result(timeout=CLOSE_TIMEOUT_S)

@@ -191,3 +191,23 @@ def test_probe_is_bounded_by_its_timeout_as_a_whole() -> None:
     srv.close()
     assert why is not None and "no complete answer in 1s" in why
     assert took < 2.0
+
+
+@pytest.mark.parametrize("module", ["controller", "lookup", "cacheserver"])
+def test_a_bind_host_that_does_not_resolve_is_a_config_error(module: str) -> None:
+    """Exit 2 (fix the config), one line naming the host, as for an address in use."""
+    cmd = [sys.executable, "-m", f"kvmesh.services.{module}", "--host", "kvmesh.nowhere.invalid"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr
+    assert err[-1].startswith(f"error: cannot start {module}: ") and "does not resolve" in err[-1]
+    assert "kvmesh.nowhere.invalid" in err[-1] and "Traceback" not in done.stderr
+
+
+def test_the_lookup_server_refuses_a_chunk_size_other_than_the_engines(tmp_path) -> None:
+    path = tmp_path / "both.yaml"
+    path.write_text("engine:\n  chunk_size: 512\nlookup:\n  chunk_size: 256\n")
+    cmd = [sys.executable, "-m", "kvmesh.services.lookup", "--config", str(path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "lookup.chunk_size: must equal engine.chunk_size (512" in done.stderr
