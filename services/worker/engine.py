@@ -671,14 +671,8 @@ class KVEngine:
             if self._mla is not None:
                 self._mla.retrieve(self, chunks, slot_mapping, loaded)
             else:
-                try:
-                    objs, sources = self.storage.get_prefix([k for _, _, k in chunks])
-                except RuntimeError:
-                    if not self._closed:
-                        raise
-                    # close() stopped the loop before this retrieve asked the lower
-                    # tiers (its L1 references are dropped): a miss, not an error.
-                    objs, sources = [], []
+                # Once close() began, the lower tiers are a miss (get_prefix).
+                objs, sources = self.storage.get_prefix([k for _, _, k in chunks])
                 self._scatter_all(chunks, objs, sources, slot_mapping, loaded)
         finally:
             if lookup_id is not None:

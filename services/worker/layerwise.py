@@ -128,13 +128,8 @@ def retrieve_layers(
     # steps copy from the tensor views taken here, which outlive a close.
     engine._enter()
     try:
-        try:
-            objs, sources = engine.storage.get_prefix([k for _, _, k in chunks])
-        except RuntimeError:
-            if not engine.closed:
-                raise
-            # close() stopped the loop before the lower tiers were asked: a miss.
-            objs, sources = [], []
+        # Once close() began, the lower tiers are a miss (get_prefix).
+        objs, sources = engine.storage.get_prefix([k for _, _, k in chunks])
         usable = []
         for (start, end, _), obj, source in zip(chunks, objs, sources, strict=False):
             if not engine._fits(obj, end - start):

@@ -53,17 +53,18 @@ class DictTier(MemoryTier):
         return self.get(key, allocator)
 
 
-def slowed_l1_prefix(eng: KVEngine) -> threading.Event:
-    """Make eng's L1 prefix lookups take 0.3 s more; the event is set as one starts."""
-    l1_prefix = eng.storage.l1.get_prefix
+def slowed(obj: object, method: str, delay_s: float) -> threading.Event:
+    """Make obj.method take delay_s more (before the real call); the event is set as a
+    call starts."""
+    real = getattr(obj, method)
     started = threading.Event()
 
-    def slow_l1_prefix(keys):
+    def slow(*args, **kwargs):
         started.set()
-        time.sleep(0.3)
-        return l1_prefix(keys)
+        time.sleep(delay_s)
+        return real(*args, **kwargs)
 
-    eng.storage.l1.get_prefix = slow_l1_prefix
+    setattr(obj, method, slow)
     return started
 
 
@@ -118,7 +119,8 @@ def test_close_before_a_retrieve_reaches_the_lower_tiers_gives_it_a_miss() -> No
     prompt = tokens(24)
     assert eng.store(prompt, torch.randperm(blocks * BLOCK)[:24]) == 24
     eng.storage.remove(eng.chunks(prompt)[2][2], "l1")
-    in_l1 = slowed_l1_prefix(eng)  # the real lookup, while close() stops the loop
+    # the real lookup, while close() stops the loop
+    in_l1 = slowed(eng.storage.l1, "get_prefix", 0.3)
     thread, out = _in_thread(lambda: eng.retrieve(prompt, torch.randperm(blocks * BLOCK)[:24]))
     assert in_l1.wait(5)
     eng.close()
@@ -138,15 +140,7 @@ def test_close_waits_for_a_retrieve_copying_out_of_l1() -> None:
     src_slots = torch.randperm(blocks * BLOCK)[:24]
     assert eng.store(prompt, src_slots) == 24
     src = slot_tokens(layers, kind)[:, src_slots].clone()
-    scatter = eng.copier.scatter_chunks
-    copying = threading.Event()
-
-    def slow_scatter(*args, **kwargs):  # the real copy, after close() has begun
-        copying.set()
-        time.sleep(0.3)
-        return scatter(*args, **kwargs)
-
-    eng.copier.scatter_chunks = slow_scatter
+    copying = slowed(eng.copier, "scatter_chunks", 0.3)  # the real copy, after close() has begun
     dst = torch.randperm(blocks * BLOCK)[:24]
     thread, out = _in_thread(lambda: eng.retrieve(prompt, dst))
     assert copying.wait(5)
@@ -234,15 +228,7 @@ def test_a_retrieve_racing_its_prefetchs_end_leaves_no_pins() -> None:
         assert eng.store(prompt, torch.randperm(blocks * BLOCK)[:24]) == 24
         eng.clear(tier="l1")
         l1 = eng.storage.l1
-        pin = l1.pin
-        pinning = threading.Event()
-
-        def slow_pin(key):  # the real pin, while the request's retrieve runs
-            pinning.set()
-            time.sleep(0.2)
-            return pin(key)
-
-        l1.pin = slow_pin
+        pinning = slowed(l1, "pin", 0.2)  # the real pin, while the request's retrieve runs
         fut = eng.prefetch(prompt, "pf")
         assert pinning.wait(5)
         assert eng.retrieve(prompt, torch.randperm(blocks * BLOCK)[:24], lookup_id="pf").all()
@@ -328,15 +314,7 @@ def test_close_during_a_layerwise_retrieves_first_step() -> None:
     # In L1 whole: close() comes while the step checks the chunks it got.
     eng = KVEngine("audit", 0, config(), view)
     assert eng.store(prompt, src_slots) == 24
-    fits = eng._fits
-    checking = threading.Event()
-
-    def slow_fits(obj, n):  # the real check, while close() runs
-        checking.set()
-        time.sleep(0.1)
-        return fits(obj, n)
-
-    eng._fits = slow_fits
+    checking = slowed(eng, "_fits", 0.1)  # the real check, while close() runs
     dst = 64 + torch.randperm(64)[:24]
     thread, out = _in_thread(lambda: drain(eng.retrieve_layer(prompt, dst)))
     assert checking.wait(5)
@@ -350,7 +328,7 @@ def test_close_during_a_layerwise_retrieves_first_step() -> None:
     eng = KVEngine("audit2", 0, config(), view, lower_tiers=[DictTier("below")])
     assert eng.store(prompt, src_slots) == 24
     eng.storage.remove(eng.chunks(prompt)[2][2], "l1")
-    in_l1 = slowed_l1_prefix(eng)
+    in_l1 = slowed(eng.storage.l1, "get_prefix", 0.3)
     thread, out = _in_thread(lambda: drain(eng.retrieve_layer(prompt, dst)))
     assert in_l1.wait(5)
     eng.close()
@@ -366,15 +344,7 @@ def test_close_during_a_layerwise_stores_first_step() -> None:
     blocks = 32
     view, _, _ = make_cache("cpu", torch.float16, True, blocks=blocks, block_size=BLOCK)
     eng = KVEngine("audit", 0, config(), view)
-    allocate_run = eng._allocate_run
-    allocating = threading.Event()
-
-    def slow_allocate_run(*args):  # the real allocation, while close() runs
-        allocating.set()
-        time.sleep(0.3)
-        return allocate_run(*args)
-
-    eng._allocate_run = slow_allocate_run
+    allocating = slowed(eng, "_allocate_run", 0.3)  # the real allocation, while close() runs
     thread, out = _in_thread(lambda: drain(eng.store_layer(tokens(24), torch.randperm(64)[:24])))
     assert allocating.wait(5)
     eng.close()
@@ -396,15 +366,7 @@ def test_close_with_an_infinite_alloc_timeout_waits_and_closes() -> None:
     src_slots = torch.randperm(blocks * BLOCK)[:24]
     assert eng.store(prompt, src_slots) == 24
     src = slot_tokens(layers, kind)[:, src_slots].clone()
-    scatter = eng.copier.scatter_chunks
-    copying = threading.Event()
-
-    def slow_scatter(*args, **kwargs):
-        copying.set()
-        time.sleep(0.3)
-        return scatter(*args, **kwargs)
-
-    eng.copier.scatter_chunks = slow_scatter
+    copying = slowed(eng.copier, "scatter_chunks", 0.3)
     dst = torch.randperm(blocks * BLOCK)[:24]
     thread, out = _in_thread(lambda: eng.retrieve(prompt, dst))
     assert copying.wait(5)
@@ -500,15 +462,7 @@ def test_close_during_an_mla_retrieve_waits_and_a_stopped_loop_is_a_miss() -> No
         eng = KVEngine("audit", 0, config(), view)
         assert eng.store(prompt, src_slots) == 24
         eng._mla = MLABroadcast(None, 0)
-        scatter = eng.copier.scatter_chunks
-        copying = threading.Event()
-
-        def slow_scatter(*args, **kwargs):
-            copying.set()
-            time.sleep(0.3)
-            return scatter(*args, **kwargs)
-
-        eng.copier.scatter_chunks = slow_scatter
+        copying = slowed(eng.copier, "scatter_chunks", 0.3)
         dst = torch.randperm(64)[:24]
         thread, out = _in_thread(lambda: drain(eng.retrieve_layer(prompt, dst)))
         assert copying.wait(5)
@@ -529,7 +483,7 @@ def test_close_during_an_mla_retrieve_waits_and_a_stopped_loop_is_a_miss() -> No
         assert eng.store(prompt, src_slots) == 24
         eng._mla = MLABroadcast(None, 0)
         eng.storage.remove(eng.chunks(prompt)[2][2], "l1")
-        in_l1 = slowed_l1_prefix(eng)
+        in_l1 = slowed(eng.storage.l1, "get_prefix", 0.3)
         dst = torch.randperm(64)[:24]
         thread, out = _in_thread(lambda: eng.retrieve(prompt, dst))
         assert in_l1.wait(5)
